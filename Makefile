@@ -1,0 +1,49 @@
+# llmgw — `make run` starts it, `make test` checks it. Everything installs from the pinned files.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
+typecheck migrations-check pytest-sqlite pytest-postgres bench: export SECRET_KEY = llmgw-checks-only-not-a-secret
+
+.PHONY: run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(PY) manage.py run
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+migrations-check: $(STAMP)
+	$(PY) manage.py makemigrations --check --dry-run
+
+pytest-sqlite: $(STAMP)
+	DATABASE_URL=sqlite:///var/test.sqlite3 $(PY) -m pytest $(PYTEST_ARGS)
+
+pytest-postgres: $(STAMP)
+	@$(PY) -m tests.require_postgres; rc=$$?; \
+	if [ $$rc = 0 ]; then \
+	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest $(PYTEST_ARGS); \
+	elif [ $$rc != 3 ]; then exit $$rc; fi
+
+test: lint typecheck migrations-check pytest-sqlite pytest-postgres
+
+bench: $(STAMP)
+	$(PY) -m tests.bench
+
+clean:
+	rm -rf $(VENV) var/*.sqlite3*

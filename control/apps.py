@@ -1,0 +1,11 @@
+from django.apps import AppConfig
+
+
+class ControlConfig(AppConfig):
+    name = "control"
+    verbose_name = "Control plane"
+
+    def ready(self) -> None:
+        from control import dbclock
+
+        dbclock.install()

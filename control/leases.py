@@ -1,0 +1,237 @@
+"""The leadership lease: who may run the reconciler, and the fence around its writes.
+
+The lease is a row with an expiry, not a lock held by a connection, so it survives a leader
+that is powered off, works behind poolers and on both backends. Taking and renewing are one
+statement (an upsert guarded by "I own it or it expired"), so two racers cannot both win and
+renewing cannot disagree with taking. The decision is made on the database's clock
+(``llmgw_clock_ms()``, see ``control.dbclock``); this process's own clock only bounds how long
+it keeps acting on a claim it could not confirm (the renew deadline, on a monotonic clock).
+
+Every write the reconciler makes happens inside :func:`fenced`, which re-checks owner and epoch
+in the same transaction while holding the lease row, so a deposed leader's writes change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+from django.conf import settings
+from django.db import DatabaseError, connection, transaction
+
+logger = logging.getLogger(__name__)
+
+RECONCILER = "reconciler"
+
+Clock = Callable[[], float]
+
+# The same SQL text on SQLite (3.35+) and PostgreSQL. In DO UPDATE, column references on the
+# right-hand side read the existing row, so the epoch rises exactly when the owner changes.
+CLAIM_SQL = """
+INSERT INTO control_lease (name, owner, epoch, expires_at_ms)
+VALUES (%s, %s, 1, llmgw_clock_ms() + %s)
+ON CONFLICT (name) DO UPDATE SET
+    epoch = CASE WHEN control_lease.owner = excluded.owner
+                 THEN control_lease.epoch ELSE control_lease.epoch + 1 END,
+    owner = excluded.owner,
+    expires_at_ms = excluded.expires_at_ms
+WHERE control_lease.owner = excluded.owner OR control_lease.expires_at_ms <= llmgw_clock_ms()
+RETURNING epoch, expires_at_ms
+"""
+
+# Clearing the owner makes the next claimer, whoever it is, start a new epoch at once.
+RELEASE_SQL = """
+UPDATE control_lease SET owner = '', expires_at_ms = 0
+WHERE name = %s AND owner = %s AND epoch = %s
+"""
+
+# A no-op update that succeeds only for the live holder. It also locks the row until commit
+# (PostgreSQL row lock; SQLite's IMMEDIATE transaction holds the database write lock), so no
+# claim can take the lease between this check and the fenced writes' commit.
+FENCE_SQL = """
+UPDATE control_lease SET epoch = epoch
+WHERE name = %s AND owner = %s AND epoch = %s AND expires_at_ms > llmgw_clock_ms()
+"""
+
+READ_SQL = """
+SELECT owner, epoch, expires_at_ms, llmgw_clock_ms() FROM control_lease WHERE name = %s
+"""
+
+
+class LeadershipLost(Exception):
+    """A fenced block ran without the lease; none of its writes were kept."""
+
+
+_owner: tuple[int, str] | None = None
+
+
+def _forget_owner() -> None:
+    global _owner
+    _owner = None
+
+
+os.register_at_fork(after_in_child=_forget_owner)
+
+
+def owner_id() -> str:
+    """This process's owner id: random, made after fork, never reused by a restarted process.
+
+    The host and pid are only there to help a human reading ``manage.py lease``.
+    """
+    global _owner
+    pid = os.getpid()
+    if _owner is None or _owner[0] != pid:
+        _owner = (pid, f"{socket.gethostname()}:{pid}:{secrets.token_hex(8)}")
+    return _owner[1]
+
+
+@dataclass(frozen=True)
+class Leadership:
+    """The outcome of one claim: whether this process leads, and until when it may act."""
+
+    name: str
+    owner: str
+    epoch: int
+    is_leader: bool
+    # On this process's monotonic clock: the holder must not act after this instant unless
+    # a later claim confirms the lease again.
+    act_until: float
+    store_error: str = ""
+
+    def may_act(self, clock: Clock = time.monotonic) -> bool:
+        return self.is_leader and clock() < self.act_until
+
+
+def election_enabled() -> bool:
+    return bool(settings.LLMGW_LEADER_ELECTION)
+
+
+def claim(
+    name: str = RECONCILER,
+    *,
+    previous: Leadership | None = None,
+    owner: str | None = None,
+    ttl: float | None = None,
+    renew_deadline: float | None = None,
+    clock: Clock = time.monotonic,
+) -> Leadership:
+    """Take the lease or renew it, in one statement. Call once per tick, outside a transaction.
+
+    ``previous`` is this process's last result: when the store cannot be reached (or is locked)
+    the claim is kept, unchanged, until its own deadline passes; an unreachable store is not
+    evidence that somebody else leads.
+    """
+    owner = owner or owner_id()
+    if not election_enabled():
+        return Leadership(name, owner, epoch=0, is_leader=True, act_until=math.inf)
+    ttl = settings.LLMGW_LEASE_TTL if ttl is None else ttl
+    renew_deadline = settings.LLMGW_LEASE_RENEW_DEADLINE if renew_deadline is None else renew_deadline
+    # Measured before the statement is sent: the row's expiry is at least this late on the
+    # database's clock, so stopping at sent_at + renew_deadline (< ttl) is always in time.
+    sent_at = clock()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(CLAIM_SQL, [name, owner, int(ttl * 1000)])
+            row = cursor.fetchone()
+    except DatabaseError as exc:
+        connection.close_if_unusable_or_obsolete()
+        kept = previous if previous is not None and previous.owner == owner else None
+        if kept is not None and kept.is_leader:
+            logger.warning(
+                "lease %s: store unreachable (%s); keeping epoch %s for %.1fs more",
+                name,
+                type(exc).__name__,
+                kept.epoch,
+                max(0.0, kept.act_until - clock()),
+            )
+            return replace(kept, store_error=str(exc))
+        logger.warning("lease %s: store unreachable (%s)", name, type(exc).__name__)
+        return Leadership(name, owner, epoch=0, is_leader=False, act_until=0.0, store_error=str(exc))
+
+    if row is None:
+        result = Leadership(name, owner, epoch=0, is_leader=False, act_until=0.0)
+    else:
+        result = Leadership(name, owner, epoch=int(row[0]), is_leader=True, act_until=sent_at + renew_deadline)
+    _log_transition(previous, result)
+    return result
+
+
+def _log_transition(previous: Leadership | None, current: Leadership) -> None:
+    was_leader = previous is not None and previous.is_leader and previous.epoch == current.epoch
+    if current.is_leader and not was_leader:
+        logger.info("lease %s: this process (%s) leads, epoch %s", current.name, current.owner, current.epoch)
+    elif not current.is_leader and previous is not None and previous.is_leader:
+        logger.warning("lease %s: leadership lost (was epoch %s)", current.name, previous.epoch)
+
+
+def release(leadership: Leadership) -> bool:
+    """Give the lease up (graceful shutdown), so a standby need not wait out the TTL."""
+    if not election_enabled() or not leadership.is_leader:
+        return False
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(RELEASE_SQL, [leadership.name, leadership.owner, leadership.epoch])
+            released = cursor.rowcount == 1
+    except DatabaseError as exc:
+        logger.warning("lease %s: could not release (%s)", leadership.name, type(exc).__name__)
+        return False
+    if released:
+        logger.info("lease %s: released epoch %s", leadership.name, leadership.epoch)
+    return released
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """Who holds a lease, read on the database's clock."""
+
+    name: str
+    owner: str
+    epoch: int
+    expires_in: float  # seconds; zero or less means expired
+
+    @property
+    def held(self) -> bool:
+        return bool(self.owner) and self.expires_in > 0
+
+
+def read(name: str = RECONCILER) -> LeaseView | None:
+    """The lease row as it is now, or None when nobody ever claimed it."""
+    with connection.cursor() as cursor:
+        cursor.execute(READ_SQL, [name])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    owner, epoch, expires_at_ms, now_ms = row
+    return LeaseView(name, str(owner), int(epoch), (int(expires_at_ms) - int(now_ms)) / 1000)
+
+
+@contextmanager
+def fenced(leadership: Leadership, *, clock: Clock = time.monotonic) -> Iterator[None]:
+    """Run a block of writes only while ``leadership`` still holds; otherwise keep none of them.
+
+    Raises :class:`LeadershipLost` before the block when the claim is past its deadline or the
+    row shows another owner or epoch; the whole transaction (the block's writes included) is then
+    rolled back.
+    """
+    if not election_enabled():
+        with transaction.atomic():
+            yield
+        return
+    if not leadership.may_act(clock):
+        raise LeadershipLost(f"lease {leadership.name}: epoch {leadership.epoch} is past its deadline")
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(FENCE_SQL, [leadership.name, leadership.owner, leadership.epoch])
+            if cursor.rowcount != 1:
+                raise LeadershipLost(
+                    f"lease {leadership.name}: epoch {leadership.epoch} is no longer held by "
+                    "this process"
+                )
+        yield

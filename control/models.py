@@ -1,0 +1,316 @@
+"""The control plane's data: the catalog (profiles, models), the fleet (nodes, GPUs), what runs
+where (replicas, shards), the leadership lease and the audit trail.
+
+Desired state (what operators and the reconciler want) and observed state (what agents report)
+live in separate fields; the admin lets operators edit only the former.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from django.db import models
+from django.utils import timezone
+
+
+class Engine(models.TextChoices):
+    VLLM = "vllm", "vLLM"
+    SGLANG = "sglang", "SGLang"
+    LLAMACPP = "llamacpp", "llama.cpp server"
+    SIM = "sim", "sim (simulated engine)"
+
+
+class Profile(models.Model):
+    """How to run a model: the engine, its argument template, and what one replica needs.
+
+    ``shards_per_replica`` > 1 spans several nodes (ranks 0..n-1, rank 0 is the head).
+    ``gpu_memory_mib`` is what one GPU of a shard must have free.
+    """
+
+    name = models.SlugField(max_length=100, unique=True)
+    engine = models.CharField(max_length=20, choices=Engine.choices, default=Engine.SIM)
+    args = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Argument template, a list of strings; {model}, {source}, {port}, {host}, "
+        "{rank}, {world_size} and {head_address} are filled in per shard.",
+    )
+    env = models.JSONField(default=dict, blank=True, help_text="Extra environment variables.")
+    gpus_per_shard = models.PositiveSmallIntegerField(default=1)
+    shards_per_replica = models.PositiveSmallIntegerField(default=1)
+    gpu_memory_mib = models.PositiveIntegerField(
+        default=0, help_text="GPU memory one GPU of a shard needs free, in MiB."
+    )
+    gpu_selector = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Node labels a placement requires, e.g. {\"gpu\": \"h100\"}.",
+    )
+    health_path = models.CharField(max_length=200, default="/health")
+    startup_timeout_s = models.PositiveIntegerField(default=600)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(shards_per_replica__gte=1), name="profile_at_least_one_shard"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ServedModel(models.Model):
+    """A catalog entry: the model name clients ask for, and how many replicas it may have.
+
+    ``min_replicas`` 0 means scale-from-zero: the first request creates demand and the
+    reconciler places a replica. ``pinned`` models are never evicted to make room.
+    """
+
+    name = models.CharField(max_length=200, unique=True, help_text="The API name clients send.")
+    aliases = models.JSONField(default=list, blank=True)
+    source = models.CharField(max_length=500, help_text="Repository id or path of the weights.")
+    profiles = models.ManyToManyField(Profile, related_name="models", blank=True)
+    default_profile = models.ForeignKey(Profile, on_delete=models.PROTECT, related_name="+")
+    min_replicas = models.PositiveSmallIntegerField(default=0)
+    max_replicas = models.PositiveSmallIntegerField(default=1)
+    idle_timeout_s = models.PositiveIntegerField(
+        default=900, help_text="Scale down to the minimum after this long without requests."
+    )
+    pinned = models.BooleanField(default=False)
+    activation_timeout_s = models.PositiveIntegerField(
+        default=600, help_text="How long a request may wait for a cold model to start."
+    )
+    max_waiting = models.PositiveIntegerField(
+        default=100, help_text="Requests that may wait for activation at once."
+    )
+    connect_timeout_s = models.FloatField(null=True, blank=True)
+    first_byte_timeout_s = models.FloatField(null=True, blank=True)
+    stream_idle_timeout_s = models.FloatField(null=True, blank=True)
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    # Observed: written by the gateway (coalesced), read by the reconciler.
+    last_request_at = models.DateTimeField(null=True, blank=True, editable=False)
+    demand_at = models.DateTimeField(
+        null=True, blank=True, editable=False, help_text="A request found no ready replica."
+    )
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "model"
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(min_replicas__lte=models.F("max_replicas")),
+                name="model_min_replicas_within_max",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Node(models.Model):
+    """A registered agent and the machine it runs on.
+
+    ``schedule`` is what the operator wants (active, cordoned: no new placements, draining:
+    move everything away); ``health`` is what heartbeats show.
+    """
+
+    class Schedule(models.TextChoices):
+        ACTIVE = "active", "active"
+        CORDONED = "cordoned", "cordoned"
+        DRAINING = "draining", "draining"
+
+    class Health(models.TextChoices):
+        NEW = "new", "new (never connected)"
+        READY = "ready", "ready"
+        UNREACHABLE = "unreachable", "unreachable"
+        LOST = "lost", "lost"
+
+    name = models.SlugField(max_length=100, unique=True)
+    addresses = models.JSONField(default=list, blank=True)
+    labels = models.JSONField(default=dict, blank=True)
+    schedule = models.CharField(max_length=20, choices=Schedule.choices, default=Schedule.ACTIVE)
+    health = models.CharField(
+        max_length=20, choices=Health.choices, default=Health.NEW, editable=False
+    )
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True, editable=False)
+    agent_version = models.CharField(max_length=50, blank=True, editable=False)
+    boot_id = models.CharField(max_length=100, blank=True, editable=False)
+    # The node token is shown once at issue; only its hash is kept.
+    token_prefix = models.CharField(max_length=20, blank=True, editable=False)
+    token_hash = models.CharField(max_length=64, blank=True, editable=False, db_index=True)
+    token_issued_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def state(self) -> str:
+        """The one word operators read: an unhealthy node shows its health, else its schedule."""
+        if self.health in (self.Health.UNREACHABLE, self.Health.LOST, self.Health.NEW):
+            return str(self.health)
+        return "ready" if self.schedule == self.Schedule.ACTIVE else str(self.schedule)
+
+
+class Gpu(models.Model):
+    """One device of a node, as its agent reported it."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=100, blank=True)
+    model = models.CharField(max_length=100, blank=True)
+    memory_total_mib = models.PositiveIntegerField(default=0)
+    memory_used_mib = models.PositiveIntegerField(default=0)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["node", "index"]
+        verbose_name = "GPU"
+        constraints = [
+            models.UniqueConstraint(fields=["node", "index"], name="gpu_unique_index_per_node"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}/gpu{self.index}"
+
+
+class FailureClass(models.TextChoices):
+    NONE = "", "none"
+    OOM = "oom", "out of memory"
+    BAD_ARGS = "bad_args", "bad arguments"
+    DOWNLOAD = "download", "download failed"
+    CRASH = "crash", "crashed"
+    HEALTH_TIMEOUT = "health_timeout", "health check timed out"
+
+
+class Replica(models.Model):
+    """One running copy of a model under one profile, made of one shard per node it spans.
+
+    ``desired`` is the reconciler's intent; ``observed`` comes from the agents' reports.
+    ``epoch`` is the leader epoch that last changed the desired state (agents reject lower).
+    """
+
+    class Desired(models.TextChoices):
+        RUNNING = "running", "running"
+        DRAINING = "draining", "draining"
+        STOPPED = "stopped", "stopped"
+
+    class Observed(models.TextChoices):
+        # Not yet started
+        PENDING = "pending", "pending"
+        # Running
+        STARTING = "starting", "starting"
+        READY = "ready", "ready"
+        DRAINING = "draining", "draining"
+        # Finished
+        STOPPED = "stopped", "stopped"
+        FAILED = "failed", "failed"
+
+    model = models.ForeignKey(ServedModel, on_delete=models.CASCADE, related_name="replicas")
+    profile = models.ForeignKey(Profile, on_delete=models.PROTECT, related_name="replicas")
+    desired = models.CharField(max_length=20, choices=Desired.choices, default=Desired.RUNNING)
+    observed = models.CharField(
+        max_length=20, choices=Observed.choices, default=Observed.PENDING, editable=False
+    )
+    failures = models.PositiveIntegerField(default=0, editable=False)
+    failure_class = models.CharField(
+        max_length=20, choices=FailureClass.choices, blank=True, default="", editable=False
+    )
+    backoff_until = models.DateTimeField(null=True, blank=True, editable=False)
+    generation = models.PositiveIntegerField(default=1, editable=False)
+    epoch = models.BigIntegerField(default=0, editable=False)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    ready_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_request_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["model", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.model.name}#{self.pk}"
+
+
+class Shard(models.Model):
+    """The part of a replica on one node: its GPUs, its port and its rank."""
+
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="shards")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="shards")
+    rank = models.PositiveSmallIntegerField(default=0)
+    gpu_indices = models.JSONField(default=list, blank=True)
+    port = models.PositiveIntegerField()
+    observed = models.CharField(
+        max_length=20,
+        choices=Replica.Observed.choices,
+        default=Replica.Observed.PENDING,
+        editable=False,
+    )
+    exit_code = models.IntegerField(null=True, blank=True, editable=False)
+    failure_class = models.CharField(
+        max_length=20, choices=FailureClass.choices, blank=True, default="", editable=False
+    )
+    last_log = models.TextField(blank=True, editable=False)
+    updated_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["replica", "rank"]
+        constraints = [
+            models.UniqueConstraint(fields=["replica", "rank"], name="shard_unique_rank"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.replica}/rank{self.rank}@{self.node.name}:{self.port}"
+
+
+class Lease(models.Model):
+    """The leadership row. Only ``control.leases`` writes it, in single guarded statements.
+
+    Times are the database clock in milliseconds since the Unix epoch (see ``control.dbclock``),
+    so no host's clock decides who leads.
+    """
+
+    name = models.CharField(max_length=100, primary_key=True)
+    owner = models.CharField(max_length=200, blank=True)
+    epoch = models.BigIntegerField(default=0)
+    expires_at_ms = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=models.Q(epoch__gte=0), name="lease_epoch_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} (epoch {self.epoch})"
+
+    @property
+    def expires_at(self) -> datetime:
+        return datetime.fromtimestamp(self.expires_at_ms / 1000, tz=UTC)
+
+
+class Event(models.Model):
+    """Append-only audit of what the control plane decided and why."""
+
+    class Kind(models.TextChoices):
+        LEADERSHIP = "leadership", "leadership"
+        PLACEMENT = "placement", "placement"
+        LIFECYCLE = "lifecycle", "lifecycle"
+        NODE = "node", "node"
+        OPERATOR = "operator", "operator"
+
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    subject = models.CharField(max_length=200, help_text="What it is about, e.g. model/llama3.")
+    message = models.TextField()
+    epoch = models.BigIntegerField(default=0)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.subject}: {self.message}"

@@ -1,0 +1,112 @@
+"""The gateway's data: API keys, static upstream endpoints and one usage row per request."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class ApiKey(models.Model):
+    """A bearer key for ``/v1``, owned by a user.
+
+    The key itself is shown once at creation; only its prefix (to recognise it) and its SHA-256
+    (to check it) are stored. Empty ``allowed_models`` means every model.
+    """
+
+    class BudgetPeriod(models.TextChoices):
+        DAY = "day", "day"
+        WEEK = "week", "week"
+        MONTH = "month", "month"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    name = models.CharField(max_length=100, blank=True)
+    prefix = models.CharField(max_length=20, unique=True, editable=False)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    allowed_models = models.JSONField(default=list, blank=True)
+    rpm_limit = models.PositiveIntegerField(null=True, blank=True, help_text="Requests per minute.")
+    tpm_limit = models.PositiveIntegerField(null=True, blank=True, help_text="Tokens per minute.")
+    token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Tokens per budget period."
+    )
+    budget_period = models.CharField(
+        max_length=10, choices=BudgetPeriod.choices, default=BudgetPeriod.MONTH
+    )
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name or self.user})"
+
+
+class Endpoint(models.Model):
+    """A static upstream (an engine llmgw does not run) for router-only deployments."""
+
+    slug = models.SlugField(max_length=100, unique=True, help_text="The endpoint's id.")
+    url = models.URLField(max_length=500, help_text="Base URL, e.g. http://10.0.0.5:8000.")
+    model_names = models.JSONField(default=list, help_text="Model names this endpoint serves.")
+    weight = models.PositiveIntegerField(default=1)
+    enabled = models.BooleanField(default=True)
+    allow_private_address = models.BooleanField(
+        default=False,
+        help_text="Allow link-local and metadata addresses (refused unless set on purpose).",
+    )
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class UsageRecord(models.Model):
+    """One row per request, keyed by its request id so a replayed write cannot count twice."""
+
+    class FinishReason(models.TextChoices):
+        STOP = "stop", "stop"
+        LENGTH = "length", "length"
+        TOOL_CALLS = "tool_calls", "tool calls"
+        CONTENT_FILTER = "content_filter", "content filter"
+        CLIENT_DISCONNECT = "client_disconnect", "client disconnected"
+        UPSTREAM_ERROR = "upstream_error", "upstream error"
+        TIMEOUT = "timeout", "timeout"
+        INTERRUPTED = "interrupted", "interrupted (gateway stopped)"
+        ERROR = "error", "error"
+        NONE = "", "none"
+
+    request_id = models.CharField(max_length=64, unique=True)
+    api_key = models.ForeignKey(
+        ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    model = models.CharField(max_length=200, db_index=True)
+    endpoint = models.CharField(max_length=200, blank=True, help_text="API route, e.g. chat.")
+    upstream = models.CharField(max_length=300, blank=True, help_text="Replica or endpoint id.")
+    status = models.PositiveSmallIntegerField()
+    stream = models.BooleanField(default=False)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0)
+    ttft_ms = models.FloatField(null=True, blank=True)
+    duration_ms = models.FloatField(default=0)
+    finish_reason = models.CharField(
+        max_length=30, choices=FinishReason.choices, blank=True, default=""
+    )
+    started_at = models.DateTimeField(db_index=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-started_at"]
+        indexes = [models.Index(fields=["api_key", "started_at"], name="usage_key_started")]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.model} {self.status}"

@@ -1,0 +1,105 @@
+"""Reading llmgw's configuration from the environment.
+
+Every knob is an environment variable (12-factor). A malformed value stops start-up with a
+message that names the variable, so an operator never has to guess which setting was wrong.
+Pure functions over a mapping: tests pass a dict instead of touching ``os.environ``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class ConfigError(Exception):
+    """A configuration value could not be used; the message names the variable."""
+
+
+def env_str(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name)
+    return default if value is None or value == "" else value
+
+
+def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
+
+
+def env_float(
+    env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0
+) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not value >= minimum:  # also rejects NaN
+        raise ConfigError(f"{name}={raw!r} must be at least {minimum:g}")
+    return value
+
+
+def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def env_port_range(env: Mapping[str, str], name: str, default: tuple[int, int]) -> tuple[int, int]:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    low_text, sep, high_text = raw.partition("-")
+    try:
+        low, high = int(low_text), int(high_text)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a port range like 20000-20999") from None
+    if not sep or not 1 <= low <= high <= 65535:
+        raise ConfigError(f"{name}={raw!r} is not a port range like 20000-20999")
+    return low, high
+
+
+@dataclass(frozen=True)
+class StaticEndpoint:
+    """An upstream given at start for router-only runs: ``id=URL=model[,model]``."""
+
+    id: str
+    url: str
+    models: tuple[str, ...]
+
+
+def parse_static_endpoints(env: Mapping[str, str], name: str) -> tuple[StaticEndpoint, ...]:
+    """Parse ``id=URL=model[,model]`` entries separated by spaces or semicolons."""
+    raw = env.get(name, "")
+    endpoints: list[StaticEndpoint] = []
+    seen: set[str] = set()
+    for entry in raw.replace(";", " ").split():
+        parts = entry.split("=", 2)
+        if len(parts) != 3 or not all(parts):
+            raise ConfigError(f"{name}: {entry!r} is not of the form id=URL=model[,model]")
+        endpoint_id, url, models_text = parts
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{name}: {entry!r} needs an http:// or https:// URL")
+        models = tuple(m for m in models_text.split(",") if m)
+        if not models:
+            raise ConfigError(f"{name}: {entry!r} names no model")
+        if endpoint_id in seen:
+            raise ConfigError(f"{name}: endpoint id {endpoint_id!r} appears twice")
+        seen.add(endpoint_id)
+        endpoints.append(StaticEndpoint(endpoint_id, url.rstrip("/"), models))
+    return tuple(endpoints)

@@ -1,0 +1,253 @@
+"""The one settings module. Everything that differs between machines comes from the environment.
+
+The embedded default (nothing set) is SQLite under ``var/``, an in-process channel layer and a
+local filesystem broker, so ``make run`` needs nothing but Python. Production sets
+``DATABASE_URL`` (PostgreSQL) and ``REDIS_URL``; the code is the same.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+import django_stubs_ext
+from django.core.exceptions import ImproperlyConfigured
+
+from llmgw_site.config import (
+    ConfigError,
+    env_bool,
+    env_float,
+    env_int,
+    env_port_range,
+    env_str,
+    parse_static_endpoints,
+)
+
+# Generic admin and queryset classes (ModelAdmin[Node]) must be subscriptable at run time.
+django_stubs_ext.monkeypatch()
+
+ENV = os.environ
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str(ENV, "LLMGW_VAR_DIR", str(BASE_DIR / "var")))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+LLMGW_VERSION = "0.1.0"
+
+_errors: list[str] = []
+
+
+def _read(read: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run one env reader, collecting its error so start-up reports every bad variable at once."""
+    try:
+        return read(ENV, *args, **kwargs)
+    except ConfigError as exc:
+        _errors.append(str(exc))
+        return args[1] if len(args) > 1 else None
+
+
+DEBUG: bool = _read(env_bool, "LLMGW_DEBUG", False)
+SECRET_KEY = ENV.get("SECRET_KEY", "")
+if not SECRET_KEY:
+    if DEBUG:
+        SECRET_KEY = "llmgw-insecure-debug-only-key"  # noqa: S105 - DEBUG only, never served
+    else:
+        _errors.append("SECRET_KEY is required when LLMGW_DEBUG is off")
+
+ALLOWED_HOSTS = [h for h in env_str(ENV, "LLMGW_ALLOWED_HOSTS", "*").split(",") if h]
+CSRF_TRUSTED_ORIGINS = [o for o in env_str(ENV, "LLMGW_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "daphne",  # first, so `runserver` is Daphne's ASGI server
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "django_prometheus",
+    "control",
+    "gateway",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "llmgw_site.urls"
+ASGI_APPLICATION = "llmgw_site.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- the store -------------------------------------------------------------------------------
+
+DATABASE_URL = env_str(ENV, "DATABASE_URL", f"sqlite:///{VAR_DIR / 'llmgw.sqlite3'}")
+try:
+    _database: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL))
+except ValueError as exc:
+    _errors.append(f"DATABASE_URL is not a usable database URL: {exc}")
+    _database = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}
+
+if _database["ENGINE"] == "django.db.backends.sqlite3":
+    # WAL lets readers run beside the one writer; IMMEDIATE takes the write lock at BEGIN, so a
+    # transaction never fails half-way upgrading a read lock ("database is locked" without
+    # waiting); the timeout is the busy handler: writers queue instead of failing.
+    _database["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": _read(env_float, "LLMGW_SQLITE_BUSY_TIMEOUT", 20.0),
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    _name = Path(str(_database["NAME"]))
+    # Tests that start real processes need a file they can share, never ":memory:".
+    _database["TEST"] = {"NAME": str(_name.with_name(f"test_{_name.name}"))}
+elif _database["ENGINE"] in {
+    "django.db.backends.postgresql",
+    "django.db.backends.postgresql_psycopg2",
+}:
+    _database["ENGINE"] = "django.db.backends.postgresql"
+    _database["CONN_HEALTH_CHECKS"] = True
+else:
+    _errors.append(f"DATABASE_URL uses {_database['ENGINE']}; llmgw supports sqlite and postgres")
+
+DATABASES = {"default": _database}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis: channel layer, broker, shared counters (all optional) ---------------------------------
+
+REDIS_URL = env_str(ENV, "REDIS_URL", "")
+if REDIS_URL and not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
+    _errors.append(f"REDIS_URL={REDIS_URL!r} is not a redis://, rediss:// or unix:// URL")
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+    CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+# --- Celery (the reconciler's beat and worker) --------------------------------------------------
+
+_broker_dir = VAR_DIR / "broker"
+CELERY_BROKER_URL = REDIS_URL or "filesystem://"
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = (
+    {}
+    if REDIS_URL
+    else {
+        # A local broker for the embedded default: kombu's filesystem transport shares a folder
+        # between the worker and beat on one machine, with no service to install.
+        "data_folder_in": str(_broker_dir),
+        "data_folder_out": str(_broker_dir),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+    }
+)
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+# --- llmgw's own knobs ------------------------------------------------------------------------
+
+# Leader election off (the single-control-plane default) means this process leads.
+LLMGW_LEADER_ELECTION: bool = _read(env_bool, "LLMGW_LEADER_ELECTION", False)
+LLMGW_LEASE_TTL: float = _read(env_float, "LLMGW_LEASE_TTL", 10.0, minimum=1.0)
+# The holder stops acting this long after it *sent* its last confirmed renew, well before the
+# row can expire for anybody else (the Kubernetes "renew deadline" idea).
+LLMGW_LEASE_RENEW_DEADLINE: float = _read(
+    env_float, "LLMGW_LEASE_RENEW_DEADLINE", LLMGW_LEASE_TTL * 2 / 3, minimum=0.1
+)
+LLMGW_RECONCILE_INTERVAL: float = _read(env_float, "LLMGW_RECONCILE_INTERVAL", 1.0, minimum=0.1)
+LLMGW_BACKOFF_BASE: float = _read(env_float, "LLMGW_BACKOFF_BASE", 2.0, minimum=0.1)
+LLMGW_BACKOFF_MAX: float = _read(env_float, "LLMGW_BACKOFF_MAX", 300.0, minimum=0.1)
+LLMGW_UNREACHABLE_AFTER: float = _read(env_float, "LLMGW_UNREACHABLE_AFTER", 15.0, minimum=1.0)
+LLMGW_LOST_AFTER: float = _read(env_float, "LLMGW_LOST_AFTER", 60.0, minimum=1.0)
+LLMGW_PORT_RANGE: tuple[int, int] = _read(env_port_range, "LLMGW_PORT_RANGE", (20000, 20999))
+LLMGW_MANAGEMENT_INTERFACE: str = env_str(ENV, "LLMGW_MANAGEMENT_INTERFACE", "")
+# Relay deadlines (seconds); models may override each.
+LLMGW_CONNECT_TIMEOUT: float = _read(env_float, "LLMGW_CONNECT_TIMEOUT", 5.0, minimum=0.01)
+LLMGW_FIRST_BYTE_TIMEOUT: float = _read(env_float, "LLMGW_FIRST_BYTE_TIMEOUT", 120.0, minimum=0.01)
+LLMGW_STREAM_IDLE_TIMEOUT: float = _read(
+    env_float, "LLMGW_STREAM_IDLE_TIMEOUT", 60.0, minimum=0.01
+)
+LLMGW_STATIC_ENDPOINTS = _read(parse_static_endpoints, "LLMGW_STATIC_ENDPOINTS") or ()
+
+if LLMGW_LEASE_RENEW_DEADLINE >= LLMGW_LEASE_TTL:
+    _errors.append(
+        f"LLMGW_LEASE_RENEW_DEADLINE ({LLMGW_LEASE_RENEW_DEADLINE:g}s) must be shorter than "
+        f"LLMGW_LEASE_TTL ({LLMGW_LEASE_TTL:g}s), or a stale holder could act after expiry"
+    )
+if LLMGW_RECONCILE_INTERVAL >= LLMGW_LEASE_RENEW_DEADLINE:
+    _errors.append(
+        f"LLMGW_RECONCILE_INTERVAL ({LLMGW_RECONCILE_INTERVAL:g}s) must be shorter than the "
+        f"lease renew deadline ({LLMGW_LEASE_RENEW_DEADLINE:g}s), or the leader cannot renew"
+    )
+if LLMGW_LOST_AFTER <= LLMGW_UNREACHABLE_AFTER:
+    _errors.append(
+        f"LLMGW_LOST_AFTER ({LLMGW_LOST_AFTER:g}s) must be longer than "
+        f"LLMGW_UNREACHABLE_AFTER ({LLMGW_UNREACHABLE_AFTER:g}s)"
+    )
+
+if _errors:
+    raise ImproperlyConfigured("llmgw cannot start:\n  " + "\n  ".join(_errors))
+
+# --- the rest of Django ----------------------------------------------------------------------
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "static"
+LOGIN_URL = "/admin/login/"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str(ENV, "LLMGW_LOG_LEVEL", "INFO").upper()},
+    "loggers": {
+        # Access logs would carry full request lines; ours carry ids, never credentials.
+        "django.channels.server": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+    },
+}
