@@ -19,7 +19,8 @@ $(STAMP): requirements.txt requirements-dev.txt
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(PY) manage.py run
+	@mkdir -p var; test -s var/secret_key || $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > var/secret_key
+	SECRET_KEY=$$(cat var/secret_key) $(PY) manage.py run
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -37,7 +37,14 @@ class GpuInline(admin.TabularInline[Gpu, Node]):
     model = Gpu
     extra = 0
     can_delete = False
-    readonly_fields = ["index", "uuid", "model", "memory_total_mib", "memory_used_mib", "updated_at"]
+    readonly_fields = [
+        "index",
+        "uuid",
+        "model",
+        "memory_total_mib",
+        "memory_used_mib",
+        "updated_at",
+    ]
 
     def has_add_permission(self, request: object, obj: object = None) -> bool:
         return False

@@ -6,6 +6,6 @@ class ControlConfig(AppConfig):
     verbose_name = "Control plane"
 
     def ready(self) -> None:
-        from control import dbclock
+        from control import dbclock  # noqa: PLC0415 - apps are ready only now
 
         dbclock.install()

@@ -16,12 +16,12 @@ from django.db.backends.signals import connection_created
 
 CLOCK_FUNCTION = "llmgw_clock_ms"
 
-POSTGRES_CREATE = f"""
-CREATE OR REPLACE FUNCTION {CLOCK_FUNCTION}() RETURNS bigint
+POSTGRES_CREATE = """
+CREATE OR REPLACE FUNCTION llmgw_clock_ms() RETURNS bigint
 LANGUAGE sql VOLATILE PARALLEL SAFE
 AS $$ SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint $$
 """
-POSTGRES_DROP = f"DROP FUNCTION IF EXISTS {CLOCK_FUNCTION}()"
+POSTGRES_DROP = "DROP FUNCTION IF EXISTS llmgw_clock_ms()"
 
 
 def _sqlite_clock_ms() -> int:

@@ -132,7 +132,9 @@ def claim(
     if not election_enabled():
         return Leadership(name, owner, epoch=0, is_leader=True, act_until=math.inf)
     ttl = settings.LLMGW_LEASE_TTL if ttl is None else ttl
-    renew_deadline = settings.LLMGW_LEASE_RENEW_DEADLINE if renew_deadline is None else renew_deadline
+    renew_deadline = (
+        settings.LLMGW_LEASE_RENEW_DEADLINE if renew_deadline is None else renew_deadline
+    )
     # Measured before the statement is sent: the row's expiry is at least this late on the
     # database's clock, so stopping at sent_at + renew_deadline (< ttl) is always in time.
     sent_at = clock()
@@ -153,12 +155,16 @@ def claim(
             )
             return replace(kept, store_error=str(exc))
         logger.warning("lease %s: store unreachable (%s)", name, type(exc).__name__)
-        return Leadership(name, owner, epoch=0, is_leader=False, act_until=0.0, store_error=str(exc))
+        return Leadership(
+            name, owner, epoch=0, is_leader=False, act_until=0.0, store_error=str(exc)
+        )
 
     if row is None:
         result = Leadership(name, owner, epoch=0, is_leader=False, act_until=0.0)
     else:
-        result = Leadership(name, owner, epoch=int(row[0]), is_leader=True, act_until=sent_at + renew_deadline)
+        result = Leadership(
+            name, owner, epoch=int(row[0]), is_leader=True, act_until=sent_at + renew_deadline
+        )
     _log_transition(previous, result)
     return result
 
@@ -166,7 +172,12 @@ def claim(
 def _log_transition(previous: Leadership | None, current: Leadership) -> None:
     was_leader = previous is not None and previous.is_leader and previous.epoch == current.epoch
     if current.is_leader and not was_leader:
-        logger.info("lease %s: this process (%s) leads, epoch %s", current.name, current.owner, current.epoch)
+        logger.info(
+            "lease %s: this process (%s) leads, epoch %s",
+            current.name,
+            current.owner,
+            current.epoch,
+        )
     elif not current.is_leader and previous is not None and previous.is_leader:
         logger.warning("lease %s: leadership lost (was epoch %s)", current.name, previous.epoch)
 
@@ -178,7 +189,7 @@ def release(leadership: Leadership) -> bool:
     try:
         with connection.cursor() as cursor:
             cursor.execute(RELEASE_SQL, [leadership.name, leadership.owner, leadership.epoch])
-            released = cursor.rowcount == 1
+            released: bool = cursor.rowcount == 1
     except DatabaseError as exc:
         logger.warning("lease %s: could not release (%s)", leadership.name, type(exc).__name__)
         return False
@@ -225,7 +236,9 @@ def fenced(leadership: Leadership, *, clock: Clock = time.monotonic) -> Iterator
             yield
         return
     if not leadership.may_act(clock):
-        raise LeadershipLost(f"lease {leadership.name}: epoch {leadership.epoch} is past its deadline")
+        raise LeadershipLost(
+            f"lease {leadership.name}: epoch {leadership.epoch} is past its deadline"
+        )
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute(FENCE_SQL, [leadership.name, leadership.owner, leadership.epoch])

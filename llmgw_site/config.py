@@ -32,9 +32,7 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
 
 
-def env_float(
-    env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0
-) -> float:
+def env_float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default

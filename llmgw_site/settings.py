@@ -198,10 +198,34 @@ LLMGW_MANAGEMENT_INTERFACE: str = env_str(ENV, "LLMGW_MANAGEMENT_INTERFACE", "")
 # Relay deadlines (seconds); models may override each.
 LLMGW_CONNECT_TIMEOUT: float = _read(env_float, "LLMGW_CONNECT_TIMEOUT", 5.0, minimum=0.01)
 LLMGW_FIRST_BYTE_TIMEOUT: float = _read(env_float, "LLMGW_FIRST_BYTE_TIMEOUT", 120.0, minimum=0.01)
-LLMGW_STREAM_IDLE_TIMEOUT: float = _read(
-    env_float, "LLMGW_STREAM_IDLE_TIMEOUT", 60.0, minimum=0.01
-)
+LLMGW_STREAM_IDLE_TIMEOUT: float = _read(env_float, "LLMGW_STREAM_IDLE_TIMEOUT", 60.0, minimum=0.01)
+LLMGW_ACCESS_LOG: bool = _read(env_bool, "LLMGW_ACCESS_LOG", False)
 LLMGW_STATIC_ENDPOINTS = _read(parse_static_endpoints, "LLMGW_STATIC_ENDPOINTS") or ()
+
+# --- the gateway (/v1) --------------------------------------------------------------------------
+# Larger bodies are refused with 413 as soon as their length is known, before they are buffered.
+LLMGW_MAX_BODY_BYTES: int = _read(env_int, "LLMGW_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
+# A cap on top-level `messages`/`input` items: 400 naming the field, whatever the byte size.
+LLMGW_MAX_ITEMS: int = _read(env_int, "LLMGW_MAX_ITEMS", 10_000, minimum=1)
+# How long a key lookup is trusted in-process: revocation is visible to every process within it.
+LLMGW_KEY_CACHE_TTL: float = _read(env_float, "LLMGW_KEY_CACHE_TTL", 5.0)
+# The routing table is reloaded this often (faster while requests wait for a cold model).
+LLMGW_ROUTING_REFRESH: float = _read(env_float, "LLMGW_ROUTING_REFRESH", 1.0, minimum=0.05)
+# An upstream that failed (connect error, 5xx before the first byte) gets no traffic this long.
+LLMGW_EJECT_SECONDS: float = _read(env_float, "LLMGW_EJECT_SECONDS", 10.0)
+# Further attempts before the first byte, on another upstream where there is one.
+LLMGW_RETRIES: int = _read(env_int, "LLMGW_RETRIES", 2)
+# The longest upstream Retry-After the gateway waits out itself before answering 429/503.
+LLMGW_RETRY_AFTER_MAX: float = _read(env_float, "LLMGW_RETRY_AFTER_MAX", 2.0)
+# Tokens reserved against tpm/budget limits when a request names no max_tokens.
+LLMGW_DEFAULT_MAX_TOKENS: int = _read(env_int, "LLMGW_DEFAULT_MAX_TOKENS", 1024, minimum=1)
+# Usage rows are written in batches this often, off the request path.
+LLMGW_USAGE_FLUSH_INTERVAL: float = _read(
+    env_float, "LLMGW_USAGE_FLUSH_INTERVAL", 0.5, minimum=0.01
+)
+LLMGW_USAGE_JOURNAL_DIR = Path(env_str(ENV, "LLMGW_USAGE_JOURNAL_DIR", str(VAR_DIR / "usage")))
+# SSE comments sent to a stream while it waits for a cold model, so proxies keep it open.
+LLMGW_KEEPALIVE_INTERVAL: float = _read(env_float, "LLMGW_KEEPALIVE_INTERVAL", 5.0, minimum=0.05)
 
 if LLMGW_LEASE_RENEW_DEADLINE >= LLMGW_LEASE_TTL:
     _errors.append(

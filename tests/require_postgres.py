@@ -23,10 +23,14 @@ def main() -> int:
         banner = "=" * 78
         message = f"PostgreSQL at {server_url} is not reachable: {exc}".strip()
         if os.environ.get("CI", "").lower() == "true":
-            print(f"{banner}\nERROR: {message}\nCI must test both backends.\n{banner}", file=sys.stderr)
+            print(
+                f"{banner}\nERROR: {message}\nCI must test both backends.\n{banner}",
+                file=sys.stderr,
+            )
             return 1
         print(
-            f"{banner}\nWARNING: {message}\nThe PostgreSQL half of the suite was NOT run.\n{banner}",
+            f"{banner}\nWARNING: {message}\n"
+            f"The PostgreSQL half of the suite was NOT run.\n{banner}",
             file=sys.stderr,
         )
         return 3

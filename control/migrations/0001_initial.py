@@ -6,173 +6,472 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Event',
+            name="Event",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('created_at', models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
-                ('kind', models.CharField(choices=[('leadership', 'leadership'), ('placement', 'placement'), ('lifecycle', 'lifecycle'), ('node', 'node'), ('operator', 'operator')], max_length=20)),
-                ('subject', models.CharField(help_text='What it is about, e.g. model/llama3.', max_length=200)),
-                ('message', models.TextField()),
-                ('epoch', models.BigIntegerField(default=0)),
-                ('data', models.JSONField(blank=True, default=dict)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "created_at",
+                    models.DateTimeField(db_index=True, default=django.utils.timezone.now),
+                ),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("leadership", "leadership"),
+                            ("placement", "placement"),
+                            ("lifecycle", "lifecycle"),
+                            ("node", "node"),
+                            ("operator", "operator"),
+                        ],
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "subject",
+                    models.CharField(
+                        help_text="What it is about, e.g. model/llama3.", max_length=200
+                    ),
+                ),
+                ("message", models.TextField()),
+                ("epoch", models.BigIntegerField(default=0)),
+                ("data", models.JSONField(blank=True, default=dict)),
             ],
             options={
-                'ordering': ['-created_at', '-id'],
+                "ordering": ["-created_at", "-id"],
             },
         ),
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=100, unique=True)),
-                ('addresses', models.JSONField(blank=True, default=list)),
-                ('labels', models.JSONField(blank=True, default=dict)),
-                ('schedule', models.CharField(choices=[('active', 'active'), ('cordoned', 'cordoned'), ('draining', 'draining')], default='active', max_length=20)),
-                ('health', models.CharField(choices=[('new', 'new (never connected)'), ('ready', 'ready'), ('unreachable', 'unreachable'), ('lost', 'lost')], default='new', editable=False, max_length=20)),
-                ('last_heartbeat_at', models.DateTimeField(blank=True, editable=False, null=True)),
-                ('agent_version', models.CharField(blank=True, editable=False, max_length=50)),
-                ('boot_id', models.CharField(blank=True, editable=False, max_length=100)),
-                ('token_prefix', models.CharField(blank=True, editable=False, max_length=20)),
-                ('token_hash', models.CharField(blank=True, db_index=True, editable=False, max_length=64)),
-                ('token_issued_at', models.DateTimeField(blank=True, editable=False, null=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now, editable=False)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=100, unique=True)),
+                ("addresses", models.JSONField(blank=True, default=list)),
+                ("labels", models.JSONField(blank=True, default=dict)),
+                (
+                    "schedule",
+                    models.CharField(
+                        choices=[
+                            ("active", "active"),
+                            ("cordoned", "cordoned"),
+                            ("draining", "draining"),
+                        ],
+                        default="active",
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "health",
+                    models.CharField(
+                        choices=[
+                            ("new", "new (never connected)"),
+                            ("ready", "ready"),
+                            ("unreachable", "unreachable"),
+                            ("lost", "lost"),
+                        ],
+                        default="new",
+                        editable=False,
+                        max_length=20,
+                    ),
+                ),
+                ("last_heartbeat_at", models.DateTimeField(blank=True, editable=False, null=True)),
+                ("agent_version", models.CharField(blank=True, editable=False, max_length=50)),
+                ("boot_id", models.CharField(blank=True, editable=False, max_length=100)),
+                ("token_prefix", models.CharField(blank=True, editable=False, max_length=20)),
+                (
+                    "token_hash",
+                    models.CharField(blank=True, db_index=True, editable=False, max_length=64),
+                ),
+                ("token_issued_at", models.DateTimeField(blank=True, editable=False, null=True)),
+                (
+                    "created_at",
+                    models.DateTimeField(default=django.utils.timezone.now, editable=False),
+                ),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Lease',
+            name="Lease",
             fields=[
-                ('name', models.CharField(max_length=100, primary_key=True, serialize=False)),
-                ('owner', models.CharField(blank=True, max_length=200)),
-                ('epoch', models.BigIntegerField(default=0)),
-                ('expires_at_ms', models.BigIntegerField(default=0)),
+                ("name", models.CharField(max_length=100, primary_key=True, serialize=False)),
+                ("owner", models.CharField(blank=True, max_length=200)),
+                ("epoch", models.BigIntegerField(default=0)),
+                ("expires_at_ms", models.BigIntegerField(default=0)),
             ],
             options={
-                'constraints': [models.CheckConstraint(condition=models.Q(('epoch__gte', 0)), name='lease_epoch_not_negative')],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(("epoch__gte", 0)), name="lease_epoch_not_negative"
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='Profile',
+            name="Profile",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=100, unique=True)),
-                ('engine', models.CharField(choices=[('vllm', 'vLLM'), ('sglang', 'SGLang'), ('llamacpp', 'llama.cpp server'), ('sim', 'sim (simulated engine)')], default='sim', max_length=20)),
-                ('args', models.JSONField(blank=True, default=list, help_text='Argument template, a list of strings; {model}, {source}, {port}, {host}, {rank}, {world_size} and {head_address} are filled in per shard.')),
-                ('env', models.JSONField(blank=True, default=dict, help_text='Extra environment variables.')),
-                ('gpus_per_shard', models.PositiveSmallIntegerField(default=1)),
-                ('shards_per_replica', models.PositiveSmallIntegerField(default=1)),
-                ('gpu_memory_mib', models.PositiveIntegerField(default=0, help_text='GPU memory one GPU of a shard needs free, in MiB.')),
-                ('gpu_selector', models.JSONField(blank=True, default=dict, help_text='Node labels a placement requires, e.g. {"gpu": "h100"}.')),
-                ('health_path', models.CharField(default='/health', max_length=200)),
-                ('startup_timeout_s', models.PositiveIntegerField(default=600)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=100, unique=True)),
+                (
+                    "engine",
+                    models.CharField(
+                        choices=[
+                            ("vllm", "vLLM"),
+                            ("sglang", "SGLang"),
+                            ("llamacpp", "llama.cpp server"),
+                            ("sim", "sim (simulated engine)"),
+                        ],
+                        default="sim",
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "args",
+                    models.JSONField(
+                        blank=True,
+                        default=list,
+                        help_text="Argument template, a list of strings; {model}, {source}, {port}, {host}, {rank}, {world_size} and {head_address} are filled in per shard.",
+                    ),
+                ),
+                (
+                    "env",
+                    models.JSONField(
+                        blank=True, default=dict, help_text="Extra environment variables."
+                    ),
+                ),
+                ("gpus_per_shard", models.PositiveSmallIntegerField(default=1)),
+                ("shards_per_replica", models.PositiveSmallIntegerField(default=1)),
+                (
+                    "gpu_memory_mib",
+                    models.PositiveIntegerField(
+                        default=0, help_text="GPU memory one GPU of a shard needs free, in MiB."
+                    ),
+                ),
+                (
+                    "gpu_selector",
+                    models.JSONField(
+                        blank=True,
+                        default=dict,
+                        help_text='Node labels a placement requires, e.g. {"gpu": "h100"}.',
+                    ),
+                ),
+                ("health_path", models.CharField(default="/health", max_length=200)),
+                ("startup_timeout_s", models.PositiveIntegerField(default=600)),
             ],
             options={
-                'ordering': ['name'],
-                'constraints': [models.CheckConstraint(condition=models.Q(('shards_per_replica__gte', 1)), name='profile_at_least_one_shard')],
+                "ordering": ["name"],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(("shards_per_replica__gte", 1)),
+                        name="profile_at_least_one_shard",
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='ServedModel',
+            name="ServedModel",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(help_text='The API name clients send.', max_length=200, unique=True)),
-                ('aliases', models.JSONField(blank=True, default=list)),
-                ('source', models.CharField(help_text='Repository id or path of the weights.', max_length=500)),
-                ('min_replicas', models.PositiveSmallIntegerField(default=0)),
-                ('max_replicas', models.PositiveSmallIntegerField(default=1)),
-                ('idle_timeout_s', models.PositiveIntegerField(default=900, help_text='Scale down to the minimum after this long without requests.')),
-                ('pinned', models.BooleanField(default=False)),
-                ('activation_timeout_s', models.PositiveIntegerField(default=600, help_text='How long a request may wait for a cold model to start.')),
-                ('max_waiting', models.PositiveIntegerField(default=100, help_text='Requests that may wait for activation at once.')),
-                ('connect_timeout_s', models.FloatField(blank=True, null=True)),
-                ('first_byte_timeout_s', models.FloatField(blank=True, null=True)),
-                ('stream_idle_timeout_s', models.FloatField(blank=True, null=True)),
-                ('enabled', models.BooleanField(default=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now, editable=False)),
-                ('last_request_at', models.DateTimeField(blank=True, editable=False, null=True)),
-                ('demand_at', models.DateTimeField(blank=True, editable=False, help_text='A request found no ready replica.', null=True)),
-                ('default_profile', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='+', to='control.profile')),
-                ('profiles', models.ManyToManyField(blank=True, related_name='models', to='control.profile')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "name",
+                    models.CharField(
+                        help_text="The API name clients send.", max_length=200, unique=True
+                    ),
+                ),
+                ("aliases", models.JSONField(blank=True, default=list)),
+                (
+                    "source",
+                    models.CharField(
+                        help_text="Repository id or path of the weights.", max_length=500
+                    ),
+                ),
+                ("min_replicas", models.PositiveSmallIntegerField(default=0)),
+                ("max_replicas", models.PositiveSmallIntegerField(default=1)),
+                (
+                    "idle_timeout_s",
+                    models.PositiveIntegerField(
+                        default=900,
+                        help_text="Scale down to the minimum after this long without requests.",
+                    ),
+                ),
+                ("pinned", models.BooleanField(default=False)),
+                (
+                    "activation_timeout_s",
+                    models.PositiveIntegerField(
+                        default=600,
+                        help_text="How long a request may wait for a cold model to start.",
+                    ),
+                ),
+                (
+                    "max_waiting",
+                    models.PositiveIntegerField(
+                        default=100, help_text="Requests that may wait for activation at once."
+                    ),
+                ),
+                ("connect_timeout_s", models.FloatField(blank=True, null=True)),
+                ("first_byte_timeout_s", models.FloatField(blank=True, null=True)),
+                ("stream_idle_timeout_s", models.FloatField(blank=True, null=True)),
+                ("enabled", models.BooleanField(default=True)),
+                (
+                    "created_at",
+                    models.DateTimeField(default=django.utils.timezone.now, editable=False),
+                ),
+                ("last_request_at", models.DateTimeField(blank=True, editable=False, null=True)),
+                (
+                    "demand_at",
+                    models.DateTimeField(
+                        blank=True,
+                        editable=False,
+                        help_text="A request found no ready replica.",
+                        null=True,
+                    ),
+                ),
+                (
+                    "default_profile",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="+",
+                        to="control.profile",
+                    ),
+                ),
+                (
+                    "profiles",
+                    models.ManyToManyField(blank=True, related_name="models", to="control.profile"),
+                ),
             ],
             options={
-                'verbose_name': 'model',
-                'ordering': ['name'],
+                "verbose_name": "model",
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Replica',
+            name="Replica",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('desired', models.CharField(choices=[('running', 'running'), ('draining', 'draining'), ('stopped', 'stopped')], default='running', max_length=20)),
-                ('observed', models.CharField(choices=[('pending', 'pending'), ('starting', 'starting'), ('ready', 'ready'), ('draining', 'draining'), ('stopped', 'stopped'), ('failed', 'failed')], default='pending', editable=False, max_length=20)),
-                ('failures', models.PositiveIntegerField(default=0, editable=False)),
-                ('failure_class', models.CharField(blank=True, choices=[('', 'none'), ('oom', 'out of memory'), ('bad_args', 'bad arguments'), ('download', 'download failed'), ('crash', 'crashed'), ('health_timeout', 'health check timed out')], default='', editable=False, max_length=20)),
-                ('backoff_until', models.DateTimeField(blank=True, editable=False, null=True)),
-                ('generation', models.PositiveIntegerField(default=1, editable=False)),
-                ('epoch', models.BigIntegerField(default=0, editable=False)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now, editable=False)),
-                ('ready_at', models.DateTimeField(blank=True, editable=False, null=True)),
-                ('last_request_at', models.DateTimeField(blank=True, editable=False, null=True)),
-                ('profile', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='replicas', to='control.profile')),
-                ('model', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='replicas', to='control.servedmodel')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "desired",
+                    models.CharField(
+                        choices=[
+                            ("running", "running"),
+                            ("draining", "draining"),
+                            ("stopped", "stopped"),
+                        ],
+                        default="running",
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "observed",
+                    models.CharField(
+                        choices=[
+                            ("pending", "pending"),
+                            ("starting", "starting"),
+                            ("ready", "ready"),
+                            ("draining", "draining"),
+                            ("stopped", "stopped"),
+                            ("failed", "failed"),
+                        ],
+                        default="pending",
+                        editable=False,
+                        max_length=20,
+                    ),
+                ),
+                ("failures", models.PositiveIntegerField(default=0, editable=False)),
+                (
+                    "failure_class",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("", "none"),
+                            ("oom", "out of memory"),
+                            ("bad_args", "bad arguments"),
+                            ("download", "download failed"),
+                            ("crash", "crashed"),
+                            ("health_timeout", "health check timed out"),
+                        ],
+                        default="",
+                        editable=False,
+                        max_length=20,
+                    ),
+                ),
+                ("backoff_until", models.DateTimeField(blank=True, editable=False, null=True)),
+                ("generation", models.PositiveIntegerField(default=1, editable=False)),
+                ("epoch", models.BigIntegerField(default=0, editable=False)),
+                (
+                    "created_at",
+                    models.DateTimeField(default=django.utils.timezone.now, editable=False),
+                ),
+                ("ready_at", models.DateTimeField(blank=True, editable=False, null=True)),
+                ("last_request_at", models.DateTimeField(blank=True, editable=False, null=True)),
+                (
+                    "profile",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="replicas",
+                        to="control.profile",
+                    ),
+                ),
+                (
+                    "model",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="replicas",
+                        to="control.servedmodel",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['model', 'id'],
+                "ordering": ["model", "id"],
             },
         ),
         migrations.CreateModel(
-            name='Shard',
+            name="Shard",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('rank', models.PositiveSmallIntegerField(default=0)),
-                ('gpu_indices', models.JSONField(blank=True, default=list)),
-                ('port', models.PositiveIntegerField()),
-                ('observed', models.CharField(choices=[('pending', 'pending'), ('starting', 'starting'), ('ready', 'ready'), ('draining', 'draining'), ('stopped', 'stopped'), ('failed', 'failed')], default='pending', editable=False, max_length=20)),
-                ('exit_code', models.IntegerField(blank=True, editable=False, null=True)),
-                ('failure_class', models.CharField(blank=True, choices=[('', 'none'), ('oom', 'out of memory'), ('bad_args', 'bad arguments'), ('download', 'download failed'), ('crash', 'crashed'), ('health_timeout', 'health check timed out')], default='', editable=False, max_length=20)),
-                ('last_log', models.TextField(blank=True, editable=False)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now, editable=False)),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='shards', to='control.node')),
-                ('replica', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='shards', to='control.replica')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("rank", models.PositiveSmallIntegerField(default=0)),
+                ("gpu_indices", models.JSONField(blank=True, default=list)),
+                ("port", models.PositiveIntegerField()),
+                (
+                    "observed",
+                    models.CharField(
+                        choices=[
+                            ("pending", "pending"),
+                            ("starting", "starting"),
+                            ("ready", "ready"),
+                            ("draining", "draining"),
+                            ("stopped", "stopped"),
+                            ("failed", "failed"),
+                        ],
+                        default="pending",
+                        editable=False,
+                        max_length=20,
+                    ),
+                ),
+                ("exit_code", models.IntegerField(blank=True, editable=False, null=True)),
+                (
+                    "failure_class",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("", "none"),
+                            ("oom", "out of memory"),
+                            ("bad_args", "bad arguments"),
+                            ("download", "download failed"),
+                            ("crash", "crashed"),
+                            ("health_timeout", "health check timed out"),
+                        ],
+                        default="",
+                        editable=False,
+                        max_length=20,
+                    ),
+                ),
+                ("last_log", models.TextField(blank=True, editable=False)),
+                (
+                    "updated_at",
+                    models.DateTimeField(default=django.utils.timezone.now, editable=False),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="shards",
+                        to="control.node",
+                    ),
+                ),
+                (
+                    "replica",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="shards",
+                        to="control.replica",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['replica', 'rank'],
+                "ordering": ["replica", "rank"],
             },
         ),
         migrations.CreateModel(
-            name='Gpu',
+            name="Gpu",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('index', models.PositiveSmallIntegerField()),
-                ('uuid', models.CharField(blank=True, max_length=100)),
-                ('model', models.CharField(blank=True, max_length=100)),
-                ('memory_total_mib', models.PositiveIntegerField(default=0)),
-                ('memory_used_mib', models.PositiveIntegerField(default=0)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='gpus', to='control.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("index", models.PositiveSmallIntegerField()),
+                ("uuid", models.CharField(blank=True, max_length=100)),
+                ("model", models.CharField(blank=True, max_length=100)),
+                ("memory_total_mib", models.PositiveIntegerField(default=0)),
+                ("memory_used_mib", models.PositiveIntegerField(default=0)),
+                ("updated_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="gpus",
+                        to="control.node",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'GPU',
-                'ordering': ['node', 'index'],
-                'constraints': [models.UniqueConstraint(fields=('node', 'index'), name='gpu_unique_index_per_node')],
+                "verbose_name": "GPU",
+                "ordering": ["node", "index"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("node", "index"), name="gpu_unique_index_per_node"
+                    )
+                ],
             },
         ),
         migrations.AddConstraint(
-            model_name='servedmodel',
-            constraint=models.CheckConstraint(condition=models.Q(('min_replicas__lte', models.F('max_replicas'))), name='model_min_replicas_within_max'),
+            model_name="servedmodel",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("min_replicas__lte", models.F("max_replicas"))),
+                name="model_min_replicas_within_max",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='shard',
-            constraint=models.UniqueConstraint(fields=('replica', 'rank'), name='shard_unique_rank'),
+            model_name="shard",
+            constraint=models.UniqueConstraint(
+                fields=("replica", "rank"), name="shard_unique_rank"
+            ),
         ),
     ]

@@ -7,7 +7,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -16,68 +15,182 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='Endpoint',
+            name="Endpoint",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('slug', models.SlugField(help_text="The endpoint's id.", max_length=100, unique=True)),
-                ('url', models.URLField(help_text='Base URL, e.g. http://10.0.0.5:8000.', max_length=500)),
-                ('model_names', models.JSONField(default=list, help_text='Model names this endpoint serves.')),
-                ('weight', models.PositiveIntegerField(default=1)),
-                ('enabled', models.BooleanField(default=True)),
-                ('allow_private_address', models.BooleanField(default=False, help_text='Allow link-local and metadata addresses (refused unless set on purpose).')),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now, editable=False)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "slug",
+                    models.SlugField(help_text="The endpoint's id.", max_length=100, unique=True),
+                ),
+                (
+                    "url",
+                    models.URLField(
+                        help_text="Base URL, e.g. http://10.0.0.5:8000.", max_length=500
+                    ),
+                ),
+                (
+                    "model_names",
+                    models.JSONField(default=list, help_text="Model names this endpoint serves."),
+                ),
+                ("weight", models.PositiveIntegerField(default=1)),
+                ("enabled", models.BooleanField(default=True)),
+                (
+                    "allow_private_address",
+                    models.BooleanField(
+                        default=False,
+                        help_text="Allow link-local and metadata addresses (refused unless set on purpose).",
+                    ),
+                ),
+                (
+                    "created_at",
+                    models.DateTimeField(default=django.utils.timezone.now, editable=False),
+                ),
             ],
             options={
-                'ordering': ['slug'],
+                "ordering": ["slug"],
             },
         ),
         migrations.CreateModel(
-            name='ApiKey',
+            name="ApiKey",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(blank=True, max_length=100)),
-                ('prefix', models.CharField(editable=False, max_length=20, unique=True)),
-                ('key_hash', models.CharField(editable=False, max_length=64, unique=True)),
-                ('allowed_models', models.JSONField(blank=True, default=list)),
-                ('rpm_limit', models.PositiveIntegerField(blank=True, help_text='Requests per minute.', null=True)),
-                ('tpm_limit', models.PositiveIntegerField(blank=True, help_text='Tokens per minute.', null=True)),
-                ('token_budget', models.PositiveBigIntegerField(blank=True, help_text='Tokens per budget period.', null=True)),
-                ('budget_period', models.CharField(choices=[('day', 'day'), ('week', 'week'), ('month', 'month')], default='month', max_length=10)),
-                ('expires_at', models.DateTimeField(blank=True, null=True)),
-                ('revoked_at', models.DateTimeField(blank=True, editable=False, null=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now, editable=False)),
-                ('last_used_at', models.DateTimeField(blank=True, editable=False, null=True)),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='+', to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(blank=True, max_length=100)),
+                ("prefix", models.CharField(editable=False, max_length=20, unique=True)),
+                ("key_hash", models.CharField(editable=False, max_length=64, unique=True)),
+                ("allowed_models", models.JSONField(blank=True, default=list)),
+                (
+                    "rpm_limit",
+                    models.PositiveIntegerField(
+                        blank=True, help_text="Requests per minute.", null=True
+                    ),
+                ),
+                (
+                    "tpm_limit",
+                    models.PositiveIntegerField(
+                        blank=True, help_text="Tokens per minute.", null=True
+                    ),
+                ),
+                (
+                    "token_budget",
+                    models.PositiveBigIntegerField(
+                        blank=True, help_text="Tokens per budget period.", null=True
+                    ),
+                ),
+                (
+                    "budget_period",
+                    models.CharField(
+                        choices=[("day", "day"), ("week", "week"), ("month", "month")],
+                        default="month",
+                        max_length=10,
+                    ),
+                ),
+                ("expires_at", models.DateTimeField(blank=True, null=True)),
+                ("revoked_at", models.DateTimeField(blank=True, editable=False, null=True)),
+                (
+                    "created_at",
+                    models.DateTimeField(default=django.utils.timezone.now, editable=False),
+                ),
+                ("last_used_at", models.DateTimeField(blank=True, editable=False, null=True)),
+                (
+                    "user",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'API key',
-                'ordering': ['-created_at'],
+                "verbose_name": "API key",
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='UsageRecord',
+            name="UsageRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('request_id', models.CharField(max_length=64, unique=True)),
-                ('model', models.CharField(db_index=True, max_length=200)),
-                ('endpoint', models.CharField(blank=True, help_text='API route, e.g. chat.', max_length=200)),
-                ('upstream', models.CharField(blank=True, help_text='Replica or endpoint id.', max_length=300)),
-                ('status', models.PositiveSmallIntegerField()),
-                ('stream', models.BooleanField(default=False)),
-                ('prompt_tokens', models.PositiveIntegerField(default=0)),
-                ('completion_tokens', models.PositiveIntegerField(default=0)),
-                ('cached_tokens', models.PositiveIntegerField(default=0)),
-                ('ttft_ms', models.FloatField(blank=True, null=True)),
-                ('duration_ms', models.FloatField(default=0)),
-                ('finish_reason', models.CharField(blank=True, choices=[('stop', 'stop'), ('length', 'length'), ('tool_calls', 'tool calls'), ('content_filter', 'content filter'), ('client_disconnect', 'client disconnected'), ('upstream_error', 'upstream error'), ('timeout', 'timeout'), ('interrupted', 'interrupted (gateway stopped)'), ('error', 'error'), ('', 'none')], default='', max_length=30)),
-                ('started_at', models.DateTimeField(db_index=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('api_key', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to='gateway.apikey')),
-                ('user', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("request_id", models.CharField(max_length=64, unique=True)),
+                ("model", models.CharField(db_index=True, max_length=200)),
+                (
+                    "endpoint",
+                    models.CharField(blank=True, help_text="API route, e.g. chat.", max_length=200),
+                ),
+                (
+                    "upstream",
+                    models.CharField(
+                        blank=True, help_text="Replica or endpoint id.", max_length=300
+                    ),
+                ),
+                ("status", models.PositiveSmallIntegerField()),
+                ("stream", models.BooleanField(default=False)),
+                ("prompt_tokens", models.PositiveIntegerField(default=0)),
+                ("completion_tokens", models.PositiveIntegerField(default=0)),
+                ("cached_tokens", models.PositiveIntegerField(default=0)),
+                ("ttft_ms", models.FloatField(blank=True, null=True)),
+                ("duration_ms", models.FloatField(default=0)),
+                (
+                    "finish_reason",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("stop", "stop"),
+                            ("length", "length"),
+                            ("tool_calls", "tool calls"),
+                            ("content_filter", "content filter"),
+                            ("client_disconnect", "client disconnected"),
+                            ("upstream_error", "upstream error"),
+                            ("timeout", "timeout"),
+                            ("interrupted", "interrupted (gateway stopped)"),
+                            ("error", "error"),
+                            ("", "none"),
+                        ],
+                        default="",
+                        max_length=30,
+                    ),
+                ),
+                ("started_at", models.DateTimeField(db_index=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "api_key",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to="gateway.apikey",
+                    ),
+                ),
+                (
+                    "user",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-started_at'],
-                'indexes': [models.Index(fields=['api_key', 'started_at'], name='usage_key_started')],
+                "ordering": ["-started_at"],
+                "indexes": [
+                    models.Index(fields=["api_key", "started_at"], name="usage_key_started")
+                ],
             },
         ),
     ]

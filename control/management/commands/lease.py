@@ -13,10 +13,14 @@ from control import leases
 
 
 class Command(BaseCommand):
-    help = "Show the leadership lease: holder, epoch and time left. Exit 0 if this process could lead."
+    help = (
+        "Show the leadership lease: holder, epoch and time left. Exit 0 if this process could lead."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--name", default=leases.RECONCILER, help="Lease name (default: %(default)s).")
+        parser.add_argument(
+            "--name", default=leases.RECONCILER, help="Lease name (default: %(default)s)."
+        )
 
     def handle(self, *args: Any, name: str, **options: Any) -> None:
         if not leases.election_enabled():
