@@ -44,7 +44,7 @@ class Profile(models.Model):
     gpu_selector = models.JSONField(
         default=dict,
         blank=True,
-        help_text="Node labels a placement requires, e.g. {\"gpu\": \"h100\"}.",
+        help_text='Node labels a placement requires, e.g. {"gpu": "h100"}.',
     )
     health_path = models.CharField(max_length=200, default="/health")
     startup_timeout_s = models.PositiveIntegerField(default=600)
@@ -281,7 +281,9 @@ class Lease(models.Model):
 
     class Meta:
         constraints = [
-            models.CheckConstraint(condition=models.Q(epoch__gte=0), name="lease_epoch_not_negative"),
+            models.CheckConstraint(
+                condition=models.Q(epoch__gte=0), name="lease_epoch_not_negative"
+            ),
         ]
 
     def __str__(self) -> str:
