@@ -95,6 +95,10 @@ class ServedModel(models.Model):
     demand_at = models.DateTimeField(
         null=True, blank=True, editable=False, help_text="A request found no ready replica."
     )
+    # Observed: written by the reconciler when a wanted replica cannot be placed.
+    placement_note = models.TextField(
+        blank=True, editable=False, help_text="Why a wanted replica could not be placed."
+    )
 
     class Meta:
         ordering = ["name"]
