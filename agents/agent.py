@@ -1,0 +1,262 @@
+"""The agent's side of the stream: dial out, say hello, report, and apply desired state.
+
+The agent dials out (a node behind NAT needs no inbound port), tries each control-plane URL in
+turn, and backs off exponentially with jitter between failures so a fleet does not reconnect
+in lock-step after a control-plane restart. Losing the control plane never stops a shard: the
+supervisor keeps running what it was last told, and reports it all on the next connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from agents import __version__
+from agents.protocol import (
+    MAX_MESSAGE_BYTES,
+    NODE_HEADER,
+    STREAM_PATH,
+    DesiredState,
+    ErrorMessage,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    Welcome,
+    decode_server_message,
+    encode,
+)
+from agents.shards import Supervisor
+
+logger = logging.getLogger(__name__)
+
+# A full status rides along every few heartbeats, so engine load and GPU memory stay fresh
+# even when no shard changes state.
+FULL_STATUS_EVERY: Final = 5
+
+
+def stream_url(url: str) -> str:
+    """Accept the control plane's web address (``http://cp:8000``) or a full stream URL."""
+    parts = urlsplit(url.strip())
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    if scheme not in ("ws", "wss") or not parts.netloc:
+        raise ValueError(f"{url!r} is not an http(s):// or ws(s):// URL")
+    path = parts.path if parts.path not in ("", "/") else STREAM_PATH
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def backoff_delay(
+    failures: int, *, base: float, cap: float, rand: Callable[[], float] = random.random
+) -> float:
+    """Capped exponential backoff with "equal jitter": half the step is fixed, half random,
+    so retries spread out but never hammer at zero delay."""
+    step = min(cap, base * 2.0 ** min(failures, 30))
+    return step / 2 + rand() * step / 2
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    urls: tuple[str, ...]
+    token: str
+    node: str
+    addresses: tuple[str, ...] = ()
+    port_range: tuple[int, int] | None = None
+    backoff_base: float = 0.5
+    backoff_max: float = 30.0
+    open_timeout: float = 10.0
+    hello_timeout: float = 10.0
+    # WebSocket pings find a half-open connection to the control plane (no FIN, no RST).
+    ping_interval: float = 10.0
+    ping_timeout: float = 10.0
+
+
+class Agent:
+    """One node's link to the control plane, feeding a :class:`Supervisor`."""
+
+    def __init__(
+        self,
+        config: ConnectionConfig,
+        supervisor: Supervisor,
+        *,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.config = config
+        self.supervisor = supervisor
+        self.rand = rand
+        self.boot_id = uuid.uuid4().hex
+        self.connections = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Stay connected to some control plane until ``stop`` is set."""
+        failures = 0
+        index = 0
+        while not stop.is_set():
+            url = self.config.urls[index % len(self.config.urls)]
+            welcomed = False
+            try:
+                welcomed = await self._connect(url, stop)
+            except InvalidStatus as exc:
+                status = exc.response.status_code
+                if status in (401, 403):
+                    logger.error(
+                        "%s refused this agent at the handshake (HTTP %s): the node token is "
+                        "missing, wrong or revoked, or was issued for another node than %r",
+                        url,
+                        status,
+                        self.config.node,
+                    )
+                else:
+                    logger.warning("%s answered the handshake with HTTP %s", url, status)
+            except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
+                logger.warning("cannot reach %s: %s", url, exc or type(exc).__name__)
+            except ConnectionClosed as exc:
+                logger.warning("connection to %s lost: %s", url, exc)
+            if stop.is_set():
+                break
+            if welcomed:
+                failures = 0  # it worked until now; start over gently, on the same URL
+            else:
+                failures += 1
+                index += 1  # try the next control plane
+            delay = backoff_delay(
+                failures, base=self.config.backoff_base, cap=self.config.backoff_max, rand=self.rand
+            )
+            logger.info(
+                "reconnecting in %.1fs to %s",
+                delay,
+                self.config.urls[index % len(self.config.urls)],
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+
+    async def _connect(self, url: str, stop: asyncio.Event) -> bool:
+        headers = {"Authorization": f"Bearer {self.config.token}", NODE_HEADER: self.config.node}
+        async with connect(
+            url,
+            additional_headers=headers,
+            user_agent_header=f"llmgw-agent/{__version__}",
+            open_timeout=self.config.open_timeout,
+            ping_interval=self.config.ping_interval,
+            ping_timeout=self.config.ping_timeout,
+            close_timeout=2,
+            max_size=MAX_MESSAGE_BYTES,
+            proxy=None,
+        ) as ws:
+            welcome = await self._handshake(ws)
+            if welcome is None:
+                return False
+            self.connections += 1
+            logger.info(
+                "connected to %s as node %s (heartbeat every %gs)",
+                url,
+                self.config.node,
+                welcome.heartbeat_interval,
+            )
+            # Everything this node runs, at once: the control plane may have restarted, or
+            # another one may hold this stream now; shards kept running meanwhile.
+            await ws.send(encode(self.supervisor.status()))
+            tasks = {
+                asyncio.create_task(self._receive(ws), name="receive"),
+                asyncio.create_task(self._report(ws, welcome.heartbeat_interval), name="report"),
+                asyncio.create_task(stop.wait(), name="stop"),
+            }
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            if stop.is_set():
+                await ws.close(1001, "agent shutting down")
+                return True
+            for task in done:
+                exc = task.exception()
+                if exc is not None and not isinstance(exc, ConnectionClosed):
+                    raise exc
+            logger.warning(
+                "control plane %s closed the stream (code %s%s)",
+                url,
+                ws.close_code,
+                f": {ws.close_reason}" if ws.close_reason else "",
+            )
+            return True
+
+    async def _handshake(self, ws: ClientConnection) -> Welcome | None:
+        hello = Hello(
+            node=self.config.node,
+            boot_id=self.boot_id,
+            agent_version=__version__,
+            gpus=self.supervisor.gpus.read(),
+            addresses=self.config.addresses or _local_address(ws),
+            port_range=self.config.port_range,
+        )
+        await ws.send(encode(hello))
+        raw = await asyncio.wait_for(ws.recv(), timeout=self.config.hello_timeout)
+        try:
+            answer = decode_server_message(raw)
+        except ProtocolError as exc:
+            logger.error("the control plane's answer to hello is not understood: %s", exc)
+            await ws.close(int(exc.code), exc.message[:120])
+            return None
+        if isinstance(answer, ErrorMessage):
+            logger.error("the control plane refused hello: %s (%s)", answer.message, answer.code)
+            return None
+        if not isinstance(answer, Welcome):
+            logger.error("the control plane answered hello with %s, not welcome", type(answer))
+            return None
+        return answer
+
+    async def _receive(self, ws: ClientConnection) -> None:
+        async for raw in ws:
+            try:
+                message = decode_server_message(raw)
+            except ProtocolError as exc:
+                # A bad snapshot must not take the node down or loop reconnecting: say so,
+                # keep running what runs, and wait for the next one.
+                logger.error("ignoring a message from the control plane: %s", exc.message)
+                await ws.send(encode(ErrorMessage(int(exc.code), exc.message)))
+                continue
+            if isinstance(message, DesiredState):
+                if message.node != self.config.node:
+                    logger.error(
+                        "ignoring desired state for node %r: this is %r",
+                        message.node,
+                        self.config.node,
+                    )
+                    continue
+                self.supervisor.apply(message)
+            elif isinstance(message, ErrorMessage):
+                logger.warning(
+                    "control plane error %s: %s", message.code, message.message or "(no text)"
+                )
+
+    async def _report(self, ws: ClientConnection, interval: float) -> None:
+        changed = self.supervisor.changed
+        seq = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=interval)
+            seq += 1
+            if changed.is_set() or seq % FULL_STATUS_EVERY == 0:
+                changed.clear()
+                await ws.send(encode(self.supervisor.status()))
+            else:
+                await ws.send(encode(Heartbeat(seq=seq)))
+
+
+def _local_address(ws: ClientConnection) -> tuple[str, ...]:
+    """The address this node used to reach the control plane: the one it can be reached at,
+    in the common case of one network, when no address was given."""
+    local: Any = ws.local_address
+    if isinstance(local, tuple) and local and isinstance(local[0], str):
+        return (local[0],)
+    return ()

@@ -1,0 +1,265 @@
+"""Engine recipes and the pure decisions around them: the command line a shard starts with,
+why a shard failed, and how loaded an engine is.
+
+Nothing here starts a process or touches the network, so every rule is tested on plain data.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from agents.protocol import DesiredShard, Engine, FailureClass
+
+
+class RecipeError(Exception):
+    """The desired shard cannot be turned into a command line (a bad argument template)."""
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What only the agent knows: where it binds engines, its interpreter and directories."""
+
+    host: str
+    python: str
+    weights_dir: Path
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+
+# Each recipe is the engine's OpenAI-compatible server, listening on {host}:{port} and
+# answering to the model's API name. The profile's argument template is appended.
+_RECIPES: Final[dict[Engine, tuple[str, ...]]] = {
+    Engine.SIM: (
+        "{python}",
+        "-m",
+        "agents.sim",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--model",
+        "{model}",
+    ),
+    Engine.VLLM: (
+        "{python}",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--model",
+        "{source}",
+        "--served-model-name",
+        "{model}",
+    ),
+    Engine.SGLANG: (
+        "{python}",
+        "-m",
+        "sglang.launch_server",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--model-path",
+        "{source}",
+        "--served-model-name",
+        "{model}",
+    ),
+    # llama-cpp-python's server (pip install 'llama-cpp-python[server]').
+    Engine.LLAMACPP: (
+        "{python}",
+        "-m",
+        "llama_cpp.server",
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--model",
+        "{source}",
+        "--model_alias",
+        "{model}",
+    ),
+}
+
+_PLACEHOLDER: Final = re.compile(r"\{([A-Za-z_]+)\}")
+
+
+def render(template: str, values: Mapping[str, str]) -> str:
+    """Fill ``{name}`` placeholders; anything else in braces (JSON, say) is left as written.
+
+    An unknown ``{name}`` is an error rather than a literal: it is almost always a typo in a
+    profile, and an engine started with ``{modle}`` in its argv fails in a less clear way.
+    """
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in values:
+            known = ", ".join("{" + k + "}" for k in sorted(values) if k != "python")
+            raise RecipeError(f"unknown placeholder {{{name}}} in {template!r}; known: {known}")
+        return values[name]
+
+    return _PLACEHOLDER.sub(fill, template)
+
+
+def resolve_source(source: str, weights_dir: Path) -> str:
+    """Where the weights are: an absolute path as given, a name found under the weights
+    directory as that path, anything else (a repository id the engine downloads) as given."""
+    if source.startswith("/"):
+        return source
+    candidate = weights_dir / source
+    if ".." not in Path(source).parts and candidate.exists():
+        return str(candidate)
+    return source
+
+
+def template_values(shard: DesiredShard, ctx: LaunchContext) -> dict[str, str]:
+    return {
+        "python": ctx.python,
+        "host": ctx.host,
+        "port": str(shard.port),
+        "model": shard.model,
+        "source": resolve_source(shard.source, ctx.weights_dir),
+        "rank": str(shard.rank),
+        "world_size": str(shard.world_size),
+        "head_address": shard.head_address,
+        "head_port": str(shard.head_port),
+        "gpus": ",".join(str(i) for i in shard.gpu_indices),
+        "weights_dir": str(ctx.weights_dir),
+    }
+
+
+def launch(shard: DesiredShard, ctx: LaunchContext, base_env: Mapping[str, str]) -> Launch:
+    """The command line and environment one shard starts with."""
+    values = template_values(shard, ctx)
+    argv = tuple(render(part, values) for part in (*_RECIPES[shard.engine], *shard.args))
+    env = {k: v for k, v in base_env.items() if not k.startswith("LLMGW_NODE_TOKEN")}
+    env.update(
+        {
+            # The engine sees exactly its own GPUs; an empty list hides all of them, so a
+            # CPU-only shard never grabs a device another shard was given.
+            "CUDA_VISIBLE_DEVICES": values["gpus"],
+            "PYTHONUNBUFFERED": "1",
+            "LLMGW_SHARD_ID": str(shard.shard_id),
+            "LLMGW_REPLICA_ID": str(shard.replica_id),
+            "LLMGW_RANK": str(shard.rank),
+            "LLMGW_WORLD_SIZE": str(shard.world_size),
+            "LLMGW_HEAD_ADDRESS": shard.head_address,
+        }
+    )
+    env.update({k: render(v, values) for k, v in shard.env.items()})
+    return Launch(argv=argv, env=env)
+
+
+# --------------------------------------------------------------------------- failure classes
+
+# Searched in the last lines of the engine's log, most specific class first. The phrases are
+# what PyTorch, CUDA, vLLM, SGLang, llama.cpp, huggingface_hub and argparse actually print.
+_OOM: Final = re.compile(
+    r"out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation"
+    r"|Cannot allocate memory|MemoryError|No available memory for the cache blocks"
+    r"|insufficient memory|failed to allocate .*buffer",
+    re.IGNORECASE,
+)
+_DOWNLOAD: Final = re.compile(
+    r"RepositoryNotFoundError|GatedRepoError|LocalEntryNotFoundError|EntryNotFoundError"
+    r"|HfHubHTTPError|401 Client Error|403 Client Error|404 Client Error"
+    r"|Max retries exceeded|Temporary failure in name resolution|couldn't connect to"
+    r"|We couldn't connect|Model path does not exist"
+    r"|No such file or directory: .*\.(gguf|bin|safetensors)"
+    r"|does not appear to have a file named|Failed to load model from file|failed to load model",
+    re.IGNORECASE,
+)
+_BAD_ARGS: Final = re.compile(
+    r"error: unrecognized arguments|error: argument |error: the following arguments are required"
+    r"|invalid choice:|usage: .*\n?.*error:|ValidationError|invalid value|unknown option",
+    re.IGNORECASE,
+)
+ARGPARSE_EXIT: Final = 2
+
+
+def classify_failure(
+    exit_code: int | None, log_tail: Sequence[str], *, killed_by_agent: bool = False
+) -> FailureClass:
+    """Why an engine that should be running is not.
+
+    ``exit_code`` is the process's return code as Python reports it (negative: the signal that
+    ended it). A SIGKILL the agent did not send is the kernel's OOM killer in practice.
+    """
+    text = "\n".join(log_tail)
+    if _OOM.search(text) or (exit_code == -9 and not killed_by_agent):
+        return FailureClass.OOM
+    if _DOWNLOAD.search(text):
+        return FailureClass.DOWNLOAD
+    if exit_code == ARGPARSE_EXIT or _BAD_ARGS.search(text):
+        return FailureClass.BAD_ARGS
+    return FailureClass.CRASH
+
+
+# --------------------------------------------------------------------------- engine load
+
+# (running, waiting) gauges per engine family, as their Prometheus endpoints name them.
+_LOAD_METRICS: Final = (
+    ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+    ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+)
+_SAMPLE: Final = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+
+
+def parse_load(metrics_text: str) -> EngineLoad | None:
+    """Requests running and waiting, summed over every label set (one per served model);
+    None when the text has neither family's gauges."""
+    sums: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        sums[match.group(1)] = sums.get(match.group(1), 0.0) + value
+    for running, waiting in _LOAD_METRICS:
+        if running in sums:
+            return EngineLoad(int(sums[running]), int(sums.get(waiting, 0.0)))
+    return None
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def weights_overlap(a: Path, b: Path) -> bool:
+    """Whether removing one path would take files the other uses (same, or one inside)."""
+    return a == b or a in b.parents or b in a.parents
+
+
+def weights_path(name: str, weights_dir: Path) -> Path | None:
+    """The path of a weights name inside the weights directory, or None if it would leave it."""
+    root = weights_dir.resolve()
+    target = (root / name).resolve()
+    if target == root or root not in target.parents:
+        return None
+    return target
+
+
+def source_path(source: str, weights_dir: Path) -> Path:
+    """The path a shard's weights occupy, for the in-use check."""
+    resolved = resolve_source(source, weights_dir)
+    path = Path(resolved) if resolved.startswith("/") else weights_dir / resolved
+    return path.resolve()
