@@ -146,6 +146,19 @@ class Node(models.Model):
     token_prefix = models.CharField(max_length=20, blank=True, editable=False)
     token_hash = models.CharField(max_length=64, blank=True, editable=False, db_index=True)
     token_issued_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Desired: weights (names relative to the agent's weights directory) the agent should
+    # delete once no shard uses them.
+    remove_weights = models.JSONField(default=list, blank=True)
+    # Bumped (with a nudge) by every change to this node's desired state; the agent reports
+    # the revision it has applied, so "delivered" is visible.
+    desired_revision = models.BigIntegerField(default=0, editable=False)
+    observed_revision = models.BigIntegerField(default=0, editable=False)
+    # Observed, from the agent: the ports its engines may use, what it did with
+    # remove_weights, and how many stale (lower-epoch) desired states it refused.
+    port_min = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    port_max = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    weights_report = models.JSONField(default=list, blank=True, editable=False)
+    stale_desired_rejected = models.PositiveIntegerField(default=0, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
@@ -259,6 +272,11 @@ class Shard(models.Model):
         max_length=20, choices=FailureClass.choices, blank=True, default="", editable=False
     )
     last_log = models.TextField(blank=True, editable=False)
+    # The agent's one-line account of the last transition ("exited with code 1 ...").
+    message = models.CharField(max_length=500, blank=True, editable=False)
+    # Engine load from its metrics, as the agent last reported it (None: not published).
+    requests_running = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    requests_waiting = models.PositiveIntegerField(null=True, blank=True, editable=False)
     updated_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
