@@ -195,6 +195,19 @@ LLMGW_UNREACHABLE_AFTER: float = _read(env_float, "LLMGW_UNREACHABLE_AFTER", 15.
 LLMGW_LOST_AFTER: float = _read(env_float, "LLMGW_LOST_AFTER", 60.0, minimum=1.0)
 LLMGW_PORT_RANGE: tuple[int, int] = _read(env_port_range, "LLMGW_PORT_RANGE", (20000, 20999))
 LLMGW_MANAGEMENT_INTERFACE: str = env_str(ENV, "LLMGW_MANAGEMENT_INTERFACE", "")
+# Agent streams: how often agents beat (sent to them in the welcome), how often a stream
+# re-sends the full desired state in case a nudge was lost, and how long a drain may wait
+# for in-flight requests before the engine is stopped.
+LLMGW_AGENT_HEARTBEAT_INTERVAL: float = _read(
+    env_float,
+    "LLMGW_AGENT_HEARTBEAT_INTERVAL",
+    min(2.0, LLMGW_UNREACHABLE_AFTER / 5),
+    minimum=0.05,
+)
+LLMGW_AGENT_RESYNC_INTERVAL: float = _read(
+    env_float, "LLMGW_AGENT_RESYNC_INTERVAL", 15.0, minimum=0.1
+)
+LLMGW_DRAIN_TIMEOUT: float = _read(env_float, "LLMGW_DRAIN_TIMEOUT", 60.0)
 # Relay deadlines (seconds); models may override each.
 LLMGW_CONNECT_TIMEOUT: float = _read(env_float, "LLMGW_CONNECT_TIMEOUT", 5.0, minimum=0.01)
 LLMGW_FIRST_BYTE_TIMEOUT: float = _read(env_float, "LLMGW_FIRST_BYTE_TIMEOUT", 120.0, minimum=0.01)
@@ -241,6 +254,13 @@ if LLMGW_LOST_AFTER <= LLMGW_UNREACHABLE_AFTER:
     _errors.append(
         f"LLMGW_LOST_AFTER ({LLMGW_LOST_AFTER:g}s) must be longer than "
         f"LLMGW_UNREACHABLE_AFTER ({LLMGW_UNREACHABLE_AFTER:g}s)"
+    )
+
+if LLMGW_AGENT_HEARTBEAT_INTERVAL * 2 >= LLMGW_UNREACHABLE_AFTER:
+    _errors.append(
+        f"LLMGW_AGENT_HEARTBEAT_INTERVAL ({LLMGW_AGENT_HEARTBEAT_INTERVAL:g}s) must be under "
+        f"half of LLMGW_UNREACHABLE_AFTER ({LLMGW_UNREACHABLE_AFTER:g}s), or one late "
+        "heartbeat would make a healthy node unreachable"
     )
 
 if _errors:
