@@ -46,6 +46,13 @@ class Profile(models.Model):
         blank=True,
         help_text='Node labels a placement requires, e.g. {"gpu": "h100"}.',
     )
+    class Strategy(models.TextChoices):
+        BINPACK = "binpack", "bin-pack (fill the fullest node that fits)"
+        SPREAD = "spread", "spread (use the emptiest node)"
+
+    placement_strategy = models.CharField(
+        max_length=10, choices=Strategy.choices, default=Strategy.BINPACK
+    )
     health_path = models.CharField(max_length=200, default="/health")
     startup_timeout_s = models.PositiveIntegerField(default=600)
 
