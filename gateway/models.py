@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
+
+from gateway.routing import upstream_url_problem
 
 
 class ApiKey(models.Model):
@@ -65,6 +68,16 @@ class Endpoint(models.Model):
     def __str__(self) -> str:
         return self.slug
 
+    def save(self, *args: object, **kwargs: object) -> None:
+        # Refused at save time whatever the path (admin, shell, fixtures), not only in forms.
+        self.clean()
+        super().save(*args, **kwargs)  # type: ignore[arg-type]
+
+    def clean(self) -> None:
+        problem = upstream_url_problem(self.url)
+        if problem and not self.allow_private_address:
+            raise ValidationError({"url": f"This URL {problem}."})
+
 
 class UsageRecord(models.Model):
     """One row per request, keyed by its request id so a replayed write cannot count twice."""
@@ -110,3 +123,18 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.model} {self.status}"
+
+
+class LimitCounter(models.Model):
+    """One rate-limit window of one key (requests or tokens), for the store-backed limiter.
+
+    Used only when no Redis is configured. Reservations are single guarded upserts
+    (``gateway.limits``), so several web processes sharing the store cannot overshoot.
+    """
+
+    name = models.CharField(max_length=120, primary_key=True)
+    used = models.BigIntegerField(default=0)
+    window_end = models.FloatField(help_text="Unix time after which the row may be deleted.")
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.used}"

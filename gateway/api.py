@@ -1,0 +1,233 @@
+"""``/v1``: the OpenAI-compatible API (django-ninja, async). An edge: it authenticates, then
+hands the request to ``gateway.proxy``; the OpenAPI document it publishes is at
+``/v1/openapi.json`` (interactive docs at ``/v1/docs``)."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
+from django.db.models import Count, Sum
+from django.http import HttpRequest, HttpResponse
+from django.http.response import HttpResponseBase
+from ninja import NinjaAPI
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.security.http import HttpBearer
+from pydantic import BaseModel
+
+from gateway import keys, limits, proxy, schemas
+from gateway.errors import ApiError, invalid_key
+from gateway.keys import KeyInfo
+from gateway.models import UsageRecord
+from gateway.upstreams import upstreams
+
+STARTED = int(time.time())
+
+
+class BearerKey(HttpBearer):
+    """``Authorization: Bearer llmgw-…``. Async, cached (``gateway.keys``), and never logged."""
+
+    async def __call__(self, request: HttpRequest) -> KeyInfo | None:
+        return await keys.authenticate(request.headers.get("Authorization"))
+
+    def authenticate(self, request: HttpRequest, token: str) -> Any:
+        raise NotImplementedError  # __call__ does the work, asynchronously
+
+
+class GatewayApi(NinjaAPI):
+    """Adds the documented request bodies, which ninja does not see because the views read the
+    raw bytes instead of letting ninja parse them."""
+
+    def get_openapi_schema(self, *args: Any, **kwargs: Any) -> Any:
+        schema = super().get_openapi_schema(*args, **kwargs)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in _REQUEST_MODELS.values():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        return schema
+
+
+api = GatewayApi(
+    title="llmgw",
+    version="1",
+    description="OpenAI-compatible API in front of self-hosted engines.",
+    urls_namespace="v1",
+    auth=BearerKey(),
+    docs_url="/docs",
+    openapi_url="/openapi.json",
+)
+
+_REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "chat": schemas.ChatCompletionRequest,
+    "completions": schemas.CompletionRequest,
+    "embeddings": schemas.EmbeddingRequest,
+    "responses": schemas.ResponsesRequest,
+    "rerank": schemas.RerankRequest,
+}
+_ERRORS: dict[int, Any] = {
+    code: schemas.ErrorResponse for code in (400, 401, 403, 404, 413, 429, 502, 503, 504)
+}
+
+
+def _body_doc(kind: str, *, streams: bool) -> dict[str, Any]:
+    name = _REQUEST_MODELS[kind].__name__
+    extra: dict[str, Any] = {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+        }
+    }
+    if streams:
+        extra["responses"] = {
+            "200": {
+                "description": 'The result; with "stream": true, server-sent events ending '
+                "in `data: [DONE]`.",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            }
+        }
+    return extra
+
+
+@api.exception_handler(AuthenticationError)
+def _unauthenticated(request: HttpRequest, exc: Exception) -> HttpResponse:
+    return proxy.error_response(invalid_key())
+
+
+@api.exception_handler(ApiError)
+def _api_error(request: HttpRequest, exc: ApiError) -> HttpResponse:
+    return proxy.error_response(exc)
+
+
+@api.exception_handler(ValidationError)
+def _invalid(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    first = exc.errors[0] if exc.errors else {}
+    loc = first.get("loc", ())
+    param = str(loc[-1]) if loc else None
+    return proxy.error_response(
+        ApiError(400, str(first.get("msg", "Invalid request.")), "invalid_request", param=param)
+    )
+
+
+@api.exception_handler(HttpError)
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    return proxy.error_response(ApiError(exc.status_code, str(exc), "invalid_request"))
+
+
+def _key(request: HttpRequest) -> KeyInfo:
+    key = getattr(request, "auth", None)
+    if not isinstance(key, KeyInfo):
+        raise ApiError(401, "Incorrect or missing API key.", "invalid_api_key")
+    return key
+
+
+@api.get(
+    "/models", response={200: schemas.ModelList, **_ERRORS}, summary="List models", tags=["models"]
+)
+async def list_models(request: HttpRequest) -> Any:
+    """The models this key may use: the catalog and static endpoints' models."""
+    key = _key(request)
+    table = await upstreams.ready()
+    cards = [
+        {"id": name, "object": "model", "created": STARTED, "owned_by": "llmgw"}
+        for name in table.model_names()
+        if key.may_use(name)
+    ]
+    return {"object": "list", "data": cards}
+
+
+async def _relay(request: HttpRequest, kind: str) -> HttpResponseBase:
+    return await proxy.handle(request, _key(request), kind)
+
+
+@api.post(
+    "/chat/completions",
+    response={200: schemas.ChatCompletion, **_ERRORS},
+    openapi_extra=_body_doc("chat", streams=True),
+    summary="Create a chat completion",
+    tags=["generation"],
+)
+async def chat_completions(request: HttpRequest) -> HttpResponseBase:
+    return await _relay(request, "chat")
+
+
+@api.post(
+    "/completions",
+    response={200: schemas.Completion, **_ERRORS},
+    openapi_extra=_body_doc("completions", streams=True),
+    summary="Create a completion",
+    tags=["generation"],
+)
+async def completions(request: HttpRequest) -> HttpResponseBase:
+    return await _relay(request, "completions")
+
+
+@api.post(
+    "/embeddings",
+    response={200: schemas.EmbeddingList, **_ERRORS},
+    openapi_extra=_body_doc("embeddings", streams=False),
+    summary="Create embeddings",
+    tags=["embeddings"],
+)
+async def embeddings(request: HttpRequest) -> HttpResponseBase:
+    return await _relay(request, "embeddings")
+
+
+@api.post(
+    "/responses",
+    response={200: schemas.ResponseObject, **_ERRORS},
+    openapi_extra=_body_doc("responses", streams=True),
+    summary="Create a response",
+    tags=["generation"],
+)
+async def responses(request: HttpRequest) -> HttpResponseBase:
+    return await _relay(request, "responses")
+
+
+@api.post(
+    "/rerank",
+    response={200: schemas.RerankResult, **_ERRORS},
+    openapi_extra=_body_doc("rerank", streams=False),
+    summary="Rerank documents",
+    tags=["rerank"],
+)
+async def rerank(request: HttpRequest) -> HttpResponseBase:
+    return await _relay(request, "rerank")
+
+
+def _usage_summary(key: KeyInfo) -> dict[str, Any]:
+    close_old_connections()
+    start, _ = limits.period_bounds(key.budget_period, time.time())
+    totals = UsageRecord.objects.filter(
+        api_key_id=key.id, started_at__gte=datetime.fromtimestamp(start, tz=UTC)
+    ).aggregate(
+        requests=Count("id"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")
+    )
+    used = (totals["prompt"] or 0) + (totals["completion"] or 0)
+    return {
+        "key": key.prefix,
+        "period": key.budget_period,
+        "period_start": int(start),
+        "requests": totals["requests"] or 0,
+        "prompt_tokens": totals["prompt"] or 0,
+        "completion_tokens": totals["completion"] or 0,
+        "token_budget": key.token_budget,
+        "budget_left": None if key.token_budget is None else max(0, key.token_budget - used),
+    }
+
+
+@api.get(
+    "/keys/{prefix}/usage",
+    response={200: schemas.KeyUsage, **_ERRORS},
+    summary="This key's usage in its budget period",
+    tags=["keys"],
+)
+async def key_usage(request: HttpRequest, prefix: str) -> Any:
+    """A key sees only itself: any other prefix is 404, whether or not such a key exists."""
+    key = _key(request)
+    if prefix != key.prefix:
+        raise ApiError(404, "No such key.", "key_not_found", param="prefix")
+    return await sync_to_async(_usage_summary)(key)

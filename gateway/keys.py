@@ -1,0 +1,206 @@
+"""API keys: issue (shown once, stored as a SHA-256), check (cached in-process), revoke.
+
+A key is ``llmgw-`` followed by 43 URL-safe characters (256 bits from ``secrets``). The first
+14 characters are stored as the prefix, so operators can tell keys apart without the secret;
+the database keeps only the hash, so a leaked dump reveals no key. Because the secret is
+high-entropy, a plain SHA-256 is the right hash (a slow password hash protects low-entropy
+secrets and would cost every request milliseconds).
+
+Checking a key must not cost a database round trip on a warm request: lookups (hits and
+misses) are cached in-process for ``LLMGW_KEY_CACHE_TTL`` seconds, so a revocation or an edit
+reaches every web process within that time. Expiry is compared on every request against the
+cached expiry, so it takes effect to the second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db import close_old_connections, transaction
+from django.utils import timezone
+
+from gateway.models import ApiKey
+
+KEY_PREFIX = "llmgw-"
+PREFIX_LENGTH = 14
+_KEY_RE = re.compile(r"llmgw-[A-Za-z0-9_-]{43}")
+# Bounds the cache against a flood of random keys; overflowing clears it (cheap, rare).
+_CACHE_MAX = 50_000
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What the request path needs to know about a key; plain data, safe to cache."""
+
+    id: int
+    user_id: int
+    prefix: str
+    allowed_models: frozenset[str]
+    rpm_limit: int | None
+    tpm_limit: int | None
+    token_budget: int | None
+    budget_period: str
+    expires_at: float | None  # Unix time
+    revoked: bool
+
+    def usable(self, now: float) -> bool:
+        return not self.revoked and (self.expires_at is None or now < self.expires_at)
+
+    def may_use(self, model: str) -> bool:
+        return not self.allowed_models or model in self.allowed_models
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    key: str  # shown once, never stored
+    api_key: ApiKey
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def well_formed(key: str) -> bool:
+    return _KEY_RE.fullmatch(key) is not None
+
+
+def issue(
+    username: str,
+    *,
+    name: str = "",
+    models: list[str] | None = None,
+    expires_at: datetime | None = None,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    budget: int | None = None,
+    budget_period: str = ApiKey.BudgetPeriod.MONTH,
+) -> IssuedKey:
+    """Create a key for an existing user. The returned ``key`` is the only copy there is."""
+    user = get_user_model().objects.get(username=username)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    with transaction.atomic():
+        api_key = ApiKey.objects.create(
+            user=user,
+            name=name,
+            prefix=key[:PREFIX_LENGTH],
+            key_hash=hash_key(key),
+            allowed_models=sorted(set(models or [])),
+            rpm_limit=rpm,
+            tpm_limit=tpm,
+            token_budget=budget,
+            budget_period=budget_period,
+            expires_at=expires_at,
+        )
+    return IssuedKey(key, api_key)
+
+
+def revoke(key_id: int) -> bool:
+    """Revoke a key; True if this call revoked it (a second call changes nothing)."""
+    return (
+        ApiKey.objects.filter(pk=key_id, revoked_at__isnull=True).update(revoked_at=timezone.now())
+        == 1
+    )
+
+
+def parse_expiry(text: str, *, now: datetime | None = None) -> datetime:
+    """``2027-01-01`` (midnight UTC), an ISO timestamp, or a duration like ``30d``/``12h``."""
+    now = now or timezone.now()
+    match = re.fullmatch(r"(\d+)([dhm])", text.strip())
+    if match:
+        amount, unit = int(match.group(1)), match.group(2)
+        delta = {"d": timedelta(days=amount), "h": timedelta(hours=amount)}.get(
+            unit, timedelta(minutes=amount)
+        )
+        return now + delta
+    parsed = datetime.fromisoformat(text.strip())
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=timezone.get_current_timezone())
+    return parsed
+
+
+def _load(key_hash: str) -> KeyInfo | None:
+    # Runs in the database thread; connections there outlive requests, so retire stale ones.
+    close_old_connections()
+    row = (
+        ApiKey.objects.filter(key_hash=key_hash)
+        .values_list(
+            "id",
+            "user_id",
+            "prefix",
+            "allowed_models",
+            "rpm_limit",
+            "tpm_limit",
+            "token_budget",
+            "budget_period",
+            "expires_at",
+            "revoked_at",
+            "user__is_active",
+        )
+        .first()
+    )
+    if row is None:
+        return None
+    (id_, user_id, prefix, models, rpm, tpm, budget, period, expires, revoked, active) = row
+    return KeyInfo(
+        id=id_,
+        user_id=user_id,
+        prefix=prefix,
+        allowed_models=frozenset(str(m) for m in (models or [])),
+        rpm_limit=rpm,
+        tpm_limit=tpm,
+        token_budget=budget,
+        budget_period=period,
+        expires_at=expires.timestamp() if expires else None,
+        # A deactivated owner's keys stop working like revoked ones.
+        revoked=revoked is not None or not active,
+    )
+
+
+class KeyCache:
+    """Hash → (KeyInfo or None, cached until). Misses are cached too, so a flood of bad keys
+    cannot turn into a flood of queries."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._entries: dict[str, tuple[KeyInfo | None, float]] = {}
+        self._clock = clock
+
+    async def lookup(self, key: str) -> KeyInfo | None:
+        key_hash = hash_key(key)
+        entry = self._entries.get(key_hash)
+        now = self._clock()
+        if entry is not None and entry[1] > now:
+            return entry[0]
+        info = await sync_to_async(_load)(key_hash)
+        if len(self._entries) >= _CACHE_MAX:
+            self._entries.clear()
+        self._entries[key_hash] = (info, now + float(settings.LLMGW_KEY_CACHE_TTL))
+        return info
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+cache = KeyCache()
+
+
+async def authenticate(authorization: str | None) -> KeyInfo | None:
+    """The key behind an ``Authorization: Bearer`` header if it is valid now, else None."""
+    if not authorization or not authorization.startswith(("Bearer ", "bearer ")):
+        return None
+    key = authorization[7:].strip()
+    # Malformed keys are refused without hashing or a lookup.
+    if not well_formed(key):
+        return None
+    info = await cache.lookup(key)
+    if info is None or not info.usable(time.time()):
+        return None
+    return info

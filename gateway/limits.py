@@ -1,0 +1,274 @@
+"""Per-key limits: requests per minute, tokens per minute, and a token budget per period.
+
+A request reserves what it may use *before* it is relayed — one request against rpm, and its
+estimated prompt plus ``max_tokens`` (or ``LLMGW_DEFAULT_MAX_TOKENS``) against tpm and the
+budget — atomically across every web process, so N processes cannot let N times the limit
+through. When the request ends the reservation is corrected to the tokens the engine reported.
+
+Windows are fixed (the current UTC minute, day, ISO week or month): exact and cheap to share.
+Two stores, chosen by configuration:
+
+- Redis (``REDIS_URL`` set): one Lua script checks and increments all counters of a request
+  in one atomic step; keys expire with their window.
+- The database otherwise (the embedded default): one guarded upsert per counter, in one
+  transaction; a counter that would pass its limit rolls the whole reservation back.
+
+Keys without limits cost nothing here: no counter, no round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from redis import asyncio as redis_asyncio
+
+from gateway.errors import ApiError
+from gateway.keys import KeyInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Counter:
+    """One window of one limit, and what this request takes from it."""
+
+    name: str
+    kind: str  # "rpm", "tpm" or "budget"
+    limit: int
+    amount: int
+    window_end: float  # Unix time
+
+
+@dataclass(frozen=True)
+class Reservation:
+    counters: tuple[Counter, ...]
+    reserved_tokens: int
+
+    def token_counters(self) -> tuple[Counter, ...]:
+        return tuple(c for c in self.counters if c.kind != "rpm")
+
+
+NO_RESERVATION = Reservation((), 0)
+
+
+def period_bounds(period: str, now: float) -> tuple[float, float]:
+    """Start and end (Unix time, UTC) of the budget period containing ``now``."""
+    moment = datetime.fromtimestamp(now, tz=UTC)
+    day = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        start, end = day, day + timedelta(days=1)
+    elif period == "week":
+        start = day - timedelta(days=day.weekday())
+        end = start + timedelta(days=7)
+    else:
+        start = day.replace(day=1)
+        days = calendar.monthrange(start.year, start.month)[1]
+        end = start + timedelta(days=days)
+    return start.timestamp(), end.timestamp()
+
+
+def counters_for(key: KeyInfo, tokens: int, now: float) -> tuple[Counter, ...]:
+    """The counters a request of ``tokens`` estimated tokens takes from (pure)."""
+    minute = int(now // 60)
+    minute_end = (minute + 1) * 60.0
+    counters = []
+    if key.rpm_limit is not None:
+        counters.append(Counter(f"rpm:{key.id}:{minute}", "rpm", key.rpm_limit, 1, minute_end))
+    if key.tpm_limit is not None:
+        counters.append(Counter(f"tpm:{key.id}:{minute}", "tpm", key.tpm_limit, tokens, minute_end))
+    if key.token_budget is not None:
+        start, end = period_bounds(key.budget_period, now)
+        counters.append(
+            Counter(f"budget:{key.id}:{int(start)}", "budget", key.token_budget, tokens, end)
+        )
+    return tuple(counters)
+
+
+def estimate_tokens(body_length: int, max_tokens: int | None, n: int) -> int:
+    """A deliberately generous estimate: ~4 bytes of JSON per prompt token, plus the output cap
+    for each choice. It is corrected to the engine's count when the request ends."""
+    output = max_tokens if max_tokens is not None else int(settings.LLMGW_DEFAULT_MAX_TOKENS)
+    return body_length // 4 + output * n
+
+
+def refusal(counter: Counter, now: float) -> ApiError:
+    retry = max(1.0, counter.window_end - now)
+    if counter.kind == "budget":
+        return ApiError(
+            429,
+            "This key's token budget for the period is used up.",
+            "insufficient_quota",
+            retry_after=retry,
+        )
+    if counter.amount > counter.limit:
+        return ApiError(
+            429,
+            f"This request may use {counter.amount} tokens, more than the key's "
+            f"{counter.limit} tokens per minute; lower max_tokens.",
+            "rate_limit_exceeded",
+        )
+    what = "requests" if counter.kind == "rpm" else "tokens"
+    return ApiError(
+        429,
+        f"Rate limit reached: {counter.limit} {what} per minute for this key.",
+        "rate_limit_exceeded",
+        retry_after=retry,
+    )
+
+
+class Store(Protocol):
+    async def take(self, counters: Sequence[Counter]) -> Counter | None:
+        """Take every counter's amount, or none of them: returns the first that would overflow."""
+
+    async def adjust(self, counters: Sequence[Counter], delta: int) -> None:
+        """Add ``delta`` (negative gives tokens back) to counters taken before."""
+
+
+# KEYS: counter names. ARGV: amount, limit, ttl for each key in turn.
+_TAKE_LUA = """
+for i = 1, #KEYS do
+  local used = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if used + tonumber(ARGV[3 * i - 2]) > tonumber(ARGV[3 * i - 1]) then return i end
+end
+for i = 1, #KEYS do
+  redis.call('INCRBY', KEYS[i], ARGV[3 * i - 2])
+  redis.call('EXPIRE', KEYS[i], ARGV[3 * i])
+end
+return 0
+"""
+
+
+class RedisStore:
+    def __init__(self, url: str) -> None:
+        self._client: Any = redis_asyncio.Redis.from_url(url)
+        self._take: Any = self._client.register_script(_TAKE_LUA)
+
+    async def take(self, counters: Sequence[Counter]) -> Counter | None:
+        now = time.time()
+        args: list[int] = []
+        for c in counters:
+            args += [c.amount, c.limit, max(1, int(c.window_end - now) + 60)]
+        failed = int(await self._take(keys=[f"llmgw:{c.name}" for c in counters], args=args))
+        return counters[failed - 1] if failed else None
+
+    async def adjust(self, counters: Sequence[Counter], delta: int) -> None:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for c in counters:
+                pipe.incrby(f"llmgw:{c.name}", delta)
+            await pipe.execute()
+
+
+# The guard sits in DO UPDATE's WHERE: a conflicting row that would pass its limit is left
+# alone and RETURNING yields nothing, which is how "refused" is seen, in one statement.
+_UPSERT_SQL = """
+INSERT INTO gateway_limitcounter (name, used, window_end) VALUES (%s, %s, %s)
+ON CONFLICT (name) DO UPDATE SET used = gateway_limitcounter.used + excluded.used
+WHERE gateway_limitcounter.used + excluded.used <= %s
+RETURNING used
+"""
+_ADJUST_SQL = "UPDATE gateway_limitcounter SET used = used + %s WHERE name = %s"
+_PURGE_SQL = "DELETE FROM gateway_limitcounter WHERE window_end < %s"
+
+
+class _Refused(Exception):
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+
+
+def _take_in_store(counters: Sequence[Counter]) -> Counter | None:
+    close_old_connections()
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            for c in counters:
+                if c.amount > c.limit:
+                    raise _Refused(c)
+                cursor.execute(_UPSERT_SQL, [c.name, c.amount, c.window_end, c.limit])
+                if cursor.fetchone() is None:
+                    raise _Refused(c)  # rolls back the counters taken before this one
+    except _Refused as refused:
+        return refused.counter
+    return None
+
+
+def _adjust_in_store(counters: Sequence[Counter], delta: int) -> None:
+    close_old_connections()
+    with transaction.atomic(), connection.cursor() as cursor:
+        for c in counters:
+            cursor.execute(_ADJUST_SQL, [delta, c.name])
+
+
+def purge_expired(now: float) -> int:
+    close_old_connections()
+    with connection.cursor() as cursor:
+        cursor.execute(_PURGE_SQL, [now - 60])
+        return int(cursor.rowcount)
+
+
+class DatabaseStore:
+    PURGE_EVERY_S = 300.0
+
+    def __init__(self) -> None:
+        self._next_purge = 0.0
+
+    async def take(self, counters: Sequence[Counter]) -> Counter | None:
+        now = time.time()
+        if now >= self._next_purge:
+            self._next_purge = now + self.PURGE_EVERY_S
+            await sync_to_async(purge_expired)(now)
+        return await sync_to_async(_take_in_store)(counters)
+
+    async def adjust(self, counters: Sequence[Counter], delta: int) -> None:
+        await sync_to_async(_adjust_in_store)(counters, delta)
+
+
+_store: Store | None = None
+
+
+def store() -> Store:
+    global _store
+    if _store is None:
+        _store = RedisStore(settings.REDIS_URL) if settings.REDIS_URL else DatabaseStore()
+    return _store
+
+
+async def reserve(key: KeyInfo, tokens: int, now: float | None = None) -> Reservation:
+    """Take this request's share of every limit of its key, or raise 429."""
+    if key.rpm_limit is None and key.tpm_limit is None and key.token_budget is None:
+        return NO_RESERVATION
+    now = time.time() if now is None else now
+    counters = counters_for(key, tokens, now)
+    refused = await store().take(counters)
+    if refused is not None:
+        raise refusal(refused, now)
+    return Reservation(counters, tokens)
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
+def settle(reservation: Reservation, used_tokens: int) -> None:
+    """Correct the token counters to what the request really used, off the request path."""
+    token_counters = reservation.token_counters()
+    delta = used_tokens - reservation.reserved_tokens
+    if not token_counters or delta == 0:
+        return
+    task = asyncio.get_running_loop().create_task(_adjust(token_counters, delta))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _adjust(counters: Sequence[Counter], delta: int) -> None:
+    try:
+        await store().adjust(counters, delta)
+    except Exception:
+        logger.exception("could not settle %d token counters", len(counters))

@@ -1,0 +1,271 @@
+"""What the gateway reads from request and response bodies, as pure functions over bytes.
+
+The body is forwarded as the client sent it. Only ``model``, ``stream`` and
+``stream_options`` decide anything (plus ``max_tokens``/``n``, read to reserve tokens against
+limits and to answer a wrong type with a 400 that names the field). The one change ever made:
+a stream whose client did not ask for ``stream_options.include_usage`` gets it spliced in,
+because usage is only reported on streams that ask; the extra chunk is hidden again on the way
+back (``SseFilter``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway.errors import ApiError, bad_field
+
+# Which routes stream with chat-style chunks (and so accept stream_options).
+CHUNKED_STREAMS = frozenset({"chat", "completions"})
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+_FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
+_USAGE_KEY = b'"usage"'
+
+
+@dataclass(frozen=True)
+class Inspected:
+    model: str
+    stream: bool
+    client_wants_usage: bool  # the client asked include_usage itself: show it the usage chunk
+    max_tokens: int | None
+    n: int
+    forward_body: bytes  # what the upstream receives
+    usage_added: bool = False  # include_usage was spliced in for the engine
+    data: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def for_model(self, name: str) -> Inspected:
+        """The same request addressed to ``name`` (an alias or ``name@profile`` resolved to
+        the name the engine serves); re-serialized, since the engine must see its own name."""
+        if name == self.model:
+            return self
+        data = dict(self.data)
+        data["model"] = name
+        if self.usage_added:
+            data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+        return replace(self, model=name, forward_body=body, data=data)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def inspect(body: bytes, kind: str, *, max_items: int) -> Inspected:
+    """Parse and check the few fields that matter; raise ``ApiError`` (400) naming the field."""
+    if not body:
+        raise ApiError(400, "The request body is empty; send a JSON object.", "invalid_json")
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "The JSON body is nested too deeply.", "invalid_json") from None
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "The request body is not valid JSON.", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "The request body must be a JSON object.", "invalid_json")
+
+    model = data.get("model")
+    if model is None:
+        raise ApiError(400, "'model' is required.", "missing_required_parameter", param="model")
+    if not isinstance(model, str) or not model:
+        raise bad_field("model", "a non-empty string")
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_field("stream", "a boolean")
+    if kind not in CHUNKED_STREAMS and kind != "responses" and stream:
+        raise bad_field("stream", "false for this endpoint")
+    max_tokens = None
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        value = data.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 0:
+            raise bad_field(name, "a non-negative integer")
+        max_tokens = value
+    n = data.get("n", 1)
+    if n is None:
+        n = 1
+    if not _is_int(n) or n < 1:
+        raise bad_field("n", "a positive integer")
+    for name in ("messages", "input"):
+        items = data.get(name)
+        if isinstance(items, list) and len(items) > max_items:
+            raise ApiError(
+                400,
+                f"'{name}' has {len(items)} items; at most {max_items} are accepted.",
+                "too_many_items",
+                param=name,
+            )
+
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_field("stream_options", "an object")
+    wants_usage = bool(options and options.get("include_usage") is True)
+    forward = body
+    if stream and kind in CHUNKED_STREAMS and not wants_usage:
+        forward = with_include_usage(body, data)
+    return Inspected(model, stream, wants_usage, max_tokens, n, forward, forward is not body, data)
+
+
+def with_include_usage(body: bytes, data: dict[str, Any]) -> bytes:
+    """The body with ``stream_options.include_usage`` on. Spliced after the opening brace when
+    the client sent no ``stream_options`` (its bytes stay as they were); re-serialized only
+    when the client sent options of its own."""
+    if "stream_options" not in data:
+        start = body.find(b"{")
+        return body[: start + 1] + _INCLUDE_USAGE + body[start + 1 :]
+    merged = dict(data)
+    merged["stream_options"] = {**data["stream_options"], "include_usage": True}
+    return json.dumps(merged, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class Tokens:
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+
+
+def tokens_of(usage: Any) -> Tokens | None:
+    """Normalize a usage object: chat/completions/embeddings (prompt_/completion_tokens) and
+    the Responses API (input_/output_tokens)."""
+    if not isinstance(usage, dict):
+        return None
+
+    def number(*names: str) -> int:
+        for name in names:
+            value = usage.get(name)
+            if isinstance(value, int):
+                return value
+        return 0
+
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt = number("prompt_tokens", "input_tokens")
+    completion = number("completion_tokens", "output_tokens")
+    if prompt == 0 and completion == 0:
+        # Embeddings and rerank may report only a total.
+        prompt = number("total_tokens")
+    return Tokens(prompt, completion, cached if isinstance(cached, int) else 0)
+
+
+def usage_of_body(body: bytes) -> tuple[Tokens | None, str]:
+    """Usage and finish reason of a non-streamed response.
+
+    The usage object is found from the end of the body and decoded alone, so a large embeddings
+    response is not parsed whole; anything unexpected falls back to a full parse.
+    """
+    finish = _finish_of(body)
+    at = body.rfind(_USAGE_KEY)
+    if at < 0:
+        return None, finish
+    colon = body.find(b":", at + len(_USAGE_KEY))
+    if colon >= 0 and not body[at + len(_USAGE_KEY) : colon].strip():
+        try:
+            usage, _ = json.JSONDecoder().raw_decode(body[colon + 1 :].decode().lstrip())
+        except (ValueError, UnicodeDecodeError):
+            usage = None
+        if isinstance(usage, dict):
+            return tokens_of(usage), finish
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return None, finish
+    if isinstance(data, dict):
+        found = data.get("usage") or (data.get("response") or {}).get("usage")
+        return tokens_of(found), finish
+    return None, finish
+
+
+def _finish_of(data: bytes) -> str:
+    match = _FINISH_RE.search(data)
+    if match:
+        return match.group(1).decode()
+    if b'"status":"incomplete"' in data:
+        return "length"
+    if b'"status":"completed"' in data:
+        return "stop"
+    return ""
+
+
+@dataclass
+class SseFilter:
+    """Relays an SSE stream chunk by chunk, reading usage on the way.
+
+    Chunks are cut at event boundaries so an error event can always be appended cleanly.
+    Events are only parsed when they mention usage (a byte search, so relaying costs a few
+    microseconds per chunk); the last usage seen wins, which counts usage once whether the
+    engine reports it in a final chunk, cumulatively on every chunk, or in
+    ``response.completed``/``response.incomplete``.
+    """
+
+    hide_usage_chunk: bool
+    tokens: Tokens | None = None
+    finish_reason: str = ""
+    events: int = 0
+    _pending: bytes = field(default=b"", repr=False)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Complete events from this chunk (and any carried over), ready for the client."""
+        data = self._pending + chunk if self._pending else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[: end + 2], data[end + 2 :]
+        self.events += complete.count(b"\n\n")
+        if _USAGE_KEY not in complete:
+            if b"finish_reason" in complete:
+                self._note_finish(complete)
+            return complete
+        return self._with_usage(complete)
+
+    def rest(self) -> bytes:
+        """Whatever the upstream sent after its last complete event (normally nothing)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def _note_finish(self, data: bytes) -> None:
+        for match in _FINISH_RE.finditer(data):
+            self.finish_reason = match.group(1).decode()
+
+    def _with_usage(self, complete: bytes) -> bytes:
+        kept: list[bytes] = []
+        for event in complete.split(b"\n\n")[:-1]:
+            if _USAGE_KEY in event and self._read_usage(event):
+                continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    def _read_usage(self, event: bytes) -> bool:
+        """Note the usage in one event; True if the event is the extra usage chunk to hide."""
+        payload = b"\n".join(
+            line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")
+        )
+        try:
+            data = json.loads(payload)
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            return False
+        if not isinstance(data, dict):
+            return False
+        usage = data.get("usage")
+        response = data.get("response")
+        if usage is None and isinstance(response, dict):
+            usage = response.get("usage")
+            status = response.get("status")
+            if status == "completed":
+                self.finish_reason = self.finish_reason or "stop"
+            elif status == "incomplete":
+                self.finish_reason = "length"
+            elif status == "failed":
+                self.finish_reason = "upstream_error"
+        tokens = tokens_of(usage)
+        if tokens is not None:
+            self.tokens = tokens
+        for choice in data.get("choices") or ():
+            if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
+                self.finish_reason = choice["finish_reason"]
+        return self.hide_usage_chunk and tokens is not None and data.get("choices") == []

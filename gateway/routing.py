@@ -1,0 +1,243 @@
+"""Routing decisions, as pure functions over plain data (no database, no clock of their own).
+
+The routing table is built from rows the caller loaded (catalog models, ready replicas, static
+endpoints); ``choose`` picks an upstream by least outstanding requests per unit of weight,
+skipping upstreams ejected for a cool-down. ``gateway.upstreams`` does the I/O around these.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One place a request can go: a ready replica's head shard or a static endpoint."""
+
+    id: str  # "replica:12", "endpoint:slug" or "static:id"; recorded in usage rows
+    base_url: str  # scheme://host:port, without a trailing "/v1"
+    weight: int = 1
+
+
+@dataclass(frozen=True)
+class CatalogRow:
+    id: int
+    name: str
+    aliases: tuple[str, ...] = ()
+    enabled: bool = True
+    activation_timeout_s: float = 600.0
+    max_waiting: int = 100
+    connect_timeout_s: float | None = None
+    first_byte_timeout_s: float | None = None
+    stream_idle_timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """A replica that may take traffic, with the address of its rank-0 shard."""
+
+    id: int
+    model_id: int
+    profile: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class EndpointRow:
+    id: str  # "endpoint:slug" or "static:id"
+    url: str
+    models: tuple[str, ...]
+    weight: int = 1
+
+
+@dataclass(frozen=True)
+class Route:
+    """Everything the request path needs about one model, resolved from the name a client sent."""
+
+    name: str  # the canonical model name
+    catalog_id: int | None  # None: served only by static endpoints (no activation)
+    upstreams: tuple[Upstream, ...]
+    activation_timeout_s: float = 600.0
+    max_waiting: int = 100
+    connect_timeout_s: float | None = None
+    first_byte_timeout_s: float | None = None
+    stream_idle_timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class _ModelEntry:
+    catalog: CatalogRow | None
+    by_profile: Mapping[str, tuple[Upstream, ...]]
+    endpoints: tuple[Upstream, ...]
+
+
+@dataclass(frozen=True)
+class Table:
+    """Model names (and aliases) → what serves them. Immutable: a refresh swaps the whole table."""
+
+    entries: Mapping[str, _ModelEntry] = field(default_factory=dict)
+    names: Mapping[str, str] = field(default_factory=dict)  # name or alias → canonical name
+    version: int = 0
+
+    def model_names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def resolve(self, requested: str) -> Route | None:
+        """``name``, an alias, or ``name@profile``. None if nothing by that name is served."""
+        canonical = self.names.get(requested)
+        profile: str | None = None
+        if canonical is None and "@" in requested:
+            base, _, profile = requested.rpartition("@")
+            canonical = self.names.get(base)
+        if canonical is None:
+            return None
+        entry = self.entries[canonical]
+        if profile is not None:
+            if profile not in entry.by_profile:
+                return None
+            upstreams = entry.by_profile.get(profile, ())
+        else:
+            upstreams = tuple(u for ups in entry.by_profile.values() for u in ups)
+            upstreams += entry.endpoints
+        catalog = entry.catalog
+        if catalog is None:
+            return Route(canonical, None, upstreams)
+        return Route(
+            canonical,
+            catalog.id,
+            upstreams,
+            activation_timeout_s=catalog.activation_timeout_s,
+            max_waiting=catalog.max_waiting,
+            connect_timeout_s=catalog.connect_timeout_s,
+            first_byte_timeout_s=catalog.first_byte_timeout_s,
+            stream_idle_timeout_s=catalog.stream_idle_timeout_s,
+        )
+
+
+def build_table(
+    catalog: Iterable[CatalogRow],
+    replicas: Iterable[ReplicaRow],
+    endpoints: Iterable[EndpointRow],
+    *,
+    profiles: Mapping[int, Iterable[str]] | None = None,
+    version: int = 0,
+) -> Table:
+    """Join the rows into a table. ``profiles`` maps a catalog id to its profile names, so that
+    ``name@profile`` resolves (and activates) before any replica of that profile is ready."""
+    models = {row.id: row for row in catalog if row.enabled}
+    by_model: dict[int, dict[str, list[Upstream]]] = {}
+    for replica in sorted(replicas, key=lambda r: r.id):
+        if replica.model_id not in models:
+            continue
+        upstream = Upstream(f"replica:{replica.id}", base_url(replica.host, replica.port))
+        by_model.setdefault(replica.model_id, {}).setdefault(replica.profile, []).append(upstream)
+    static: dict[str, list[Upstream]] = {}
+    for endpoint in endpoints:
+        upstream = Upstream(endpoint.id, normalize_base(endpoint.url), max(1, endpoint.weight))
+        for name in endpoint.models:
+            static.setdefault(name, []).append(upstream)
+
+    entries: dict[str, _ModelEntry] = {}
+    names: dict[str, str] = {}
+    for row in models.values():
+        by_profile = {p: tuple(ups) for p, ups in by_model.get(row.id, {}).items()}
+        for name in (profiles or {}).get(row.id, ()):
+            by_profile.setdefault(name, ())
+        entries[row.name] = _ModelEntry(row, by_profile, tuple(static.pop(row.name, ())))
+        names[row.name] = row.name
+    for name, ups in static.items():
+        entries[name] = _ModelEntry(None, {}, tuple(ups))
+        names.setdefault(name, name)
+    # Aliases last: a real name always wins over somebody's alias.
+    for row in models.values():
+        for alias in row.aliases:
+            names.setdefault(alias, row.name)
+    return Table(entries, names, version)
+
+
+def choose(
+    upstreams: Sequence[Upstream],
+    outstanding: Mapping[str, int],
+    ejected_until: Mapping[str, float],
+    now: float,
+    *,
+    exclude: Iterable[str] = (),
+    offset: int = 0,
+) -> Upstream | None:
+    """Least outstanding requests per unit of weight among upstreams not ejected.
+
+    If every candidate is ejected, pick among them anyway: an upstream that may have recovered
+    beats a certain error. ``offset`` rotates where ties are broken, so equal upstreams share
+    load even at one request at a time.
+    """
+    skip = set(exclude)
+    candidates = [u for u in upstreams if u.id not in skip]
+    if not candidates:
+        return None
+    healthy = [u for u in candidates if ejected_until.get(u.id, 0.0) <= now]
+    pool = healthy or candidates
+    best: Upstream | None = None
+    best_score = 0.0
+    count = len(pool)
+    for i in range(count):
+        upstream = pool[(offset + i) % count]
+        score = (outstanding.get(upstream.id, 0) + 1) / upstream.weight
+        if best is None or score < best_score:
+            best, best_score = upstream, score
+    return best
+
+
+def base_url(host: str, port: int) -> str:
+    if "://" in host:
+        return f"{host.rstrip('/')}:{port}"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal
+    return f"http://{host}:{port}"
+
+
+def normalize_base(url: str) -> str:
+    """Endpoints may be given with or without ``/v1``; the relay appends the API path."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+_METADATA_HOSTS = frozenset(
+    {"metadata", "metadata.google.internal", "metadata.azure.com", "instance-data"}
+)
+
+
+def upstream_url_problem(url: str) -> str | None:
+    """Why a URL must not be an upstream (G5), or None if it may be.
+
+    Private and loopback addresses are where engines live and are allowed; link-local (which
+    includes the cloud metadata address 169.254.169.254), multicast and unspecified addresses,
+    metadata host names and any scheme but http(s) are refused unless an operator allows them.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "is not a valid URL"
+    if parts.scheme not in ("http", "https"):
+        return "must use http:// or https://"
+    host = (parts.hostname or "").lower().rstrip(".")
+    if not host:
+        return "has no host"
+    if host in _METADATA_HOSTS:
+        return "points at a cloud metadata service"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_link_local:
+        return "points at a link-local address (cloud metadata lives there)"
+    if address.is_multicast or address.is_unspecified or address.is_reserved:
+        return "points at an address no engine can have"
+    if str(address) == "fd00:ec2::254":
+        return "points at a cloud metadata service"
+    return None

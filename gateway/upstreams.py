@@ -1,0 +1,288 @@
+"""The live routing table of this web process, and the bookkeeping around it.
+
+The table is loaded from the store by a background task and swapped whole, so a request reads
+a consistent snapshot with no query. It reloads every ``LLMGW_ROUTING_REFRESH`` seconds, at
+once when this process saves a routing row (Django signals), and four times as often while a
+request waits for a cold model. Other processes see a change within one refresh interval.
+
+Outstanding-request counts and ejections are per process: each web process balances the
+requests it holds, which is what least-outstanding needs, without shared state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections
+from django.db.models import Q
+from django.db.models.signals import post_delete, post_save
+from django.utils import timezone
+
+from control.models import Node, Profile, Replica, ServedModel, Shard
+from gateway import routing
+from gateway.models import Endpoint
+
+logger = logging.getLogger(__name__)
+
+# Demand and last-request stamps are written at most this often per model and process.
+STAMP_EVERY_S = 5.0
+
+
+def load_table(version: int = 0) -> routing.Table:
+    """Read the rows that route traffic and build a table (runs in the database thread)."""
+    close_old_connections()
+    catalog = [
+        routing.CatalogRow(
+            id=row["id"],
+            name=row["name"],
+            aliases=tuple(str(a) for a in (row["aliases"] or [])),
+            enabled=row["enabled"],
+            activation_timeout_s=float(row["activation_timeout_s"]),
+            max_waiting=int(row["max_waiting"]),
+            connect_timeout_s=row["connect_timeout_s"],
+            first_byte_timeout_s=row["first_byte_timeout_s"],
+            stream_idle_timeout_s=row["stream_idle_timeout_s"],
+        )
+        for row in ServedModel.objects.values(
+            "id",
+            "name",
+            "aliases",
+            "enabled",
+            "activation_timeout_s",
+            "max_waiting",
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "stream_idle_timeout_s",
+        )
+    ]
+    profiles: dict[int, set[str]] = {}
+    for model_id, profile_name in ServedModel.profiles.through.objects.values_list(
+        "servedmodel_id", "profile__name"
+    ):
+        profiles.setdefault(model_id, set()).add(profile_name)
+    for model_id, profile_name in ServedModel.objects.values_list("id", "default_profile__name"):
+        profiles.setdefault(model_id, set()).add(profile_name)
+
+    replicas = []
+    # A replica takes traffic when it is observed ready, meant to run, and its head shard's
+    # node is healthy and not draining (drained nodes finish what they hold, take nothing new).
+    shards = (
+        Shard.objects.filter(
+            rank=0,
+            replica__observed=Replica.Observed.READY,
+            replica__desired=Replica.Desired.RUNNING,
+            node__health=Node.Health.READY,
+        )
+        .exclude(node__schedule=Node.Schedule.DRAINING)
+        .values_list(
+            "replica_id", "replica__model_id", "replica__profile__name", "node__addresses", "port"
+        )
+    )
+    for replica_id, model_id, profile_name, addresses, port in shards:
+        host = next((str(a) for a in (addresses or []) if a), "")
+        if not host:
+            logger.warning("replica %s: its node reports no address; not routed", replica_id)
+            continue
+        replicas.append(routing.ReplicaRow(replica_id, model_id, profile_name, host, port))
+
+    endpoints = [
+        routing.EndpointRow(f"static:{e.id}", e.url, e.models)
+        for e in settings.LLMGW_STATIC_ENDPOINTS
+    ]
+    for slug, url, names, weight, allow_private in Endpoint.objects.filter(
+        enabled=True
+    ).values_list("slug", "url", "model_names", "weight", "allow_private_address"):
+        problem = routing.upstream_url_problem(url)
+        if problem and not allow_private:
+            # Refused at save time too; this catches rows written around the model's checks.
+            logger.warning("endpoint %s: URL %s; not routed", slug, problem)
+            continue
+        endpoints.append(
+            routing.EndpointRow(f"endpoint:{slug}", url, tuple(str(n) for n in names), weight)
+        )
+    return routing.build_table(catalog, replicas, endpoints, profiles=profiles, version=version)
+
+
+class Upstreams:
+    """This process's routing table plus outstanding counts, ejections and demand stamps."""
+
+    def __init__(self) -> None:
+        self.table = routing.Table()
+        self.loaded = False
+        self.outstanding: dict[str, int] = {}
+        self.ejected_until: dict[str, float] = {}
+        self.waiting: dict[int, int] = {}
+        self._rotation = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._first_load: asyncio.Future[None] | None = None
+        self._stamped: dict[tuple[str, int], float] = {}
+        self._pending_last_request: set[tuple[str, int]] = set()
+        self._pending_demand: set[int] = set()
+        self._versions = itertools.count(1)
+        self._refreshed: asyncio.Event | None = None
+
+    # --- the table ------------------------------------------------------------------------
+
+    async def ready(self) -> routing.Table:
+        """The current table; the first call in a process waits for the first load."""
+        if not self.loaded:
+            await self._start()
+        return self.table
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._loop is not loop:
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._first_load = loop.create_future()
+            self._task = loop.create_task(self._run(), name="llmgw-routing-refresh")
+        assert self._first_load is not None
+        await asyncio.shield(self._first_load)
+
+    async def refresh(self) -> None:
+        table = await sync_to_async(load_table)(next(self._versions))
+        self.table = table
+        self.loaded = True
+        # Wake everyone waiting for a change, and give later waiters a fresh event.
+        refreshed, self._refreshed = self._refreshed, asyncio.Event()
+        if refreshed is not None:
+            refreshed.set()
+
+    async def changed(self, within: float) -> None:
+        """Wait until the next table load, or ``within`` seconds."""
+        if self._refreshed is None:
+            self._refreshed = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, within)):
+                await self._refreshed.wait()
+
+    async def _run(self) -> None:
+        assert self._wake is not None and self._first_load is not None
+        while True:
+            try:
+                await self.refresh()
+                await self._write_stamps()
+            except DatabaseError as exc:
+                # Keep routing on the last table; the store may come back.
+                logger.warning("routing table refresh failed: %s", exc)
+            except Exception:
+                logger.exception("routing table refresh failed")
+            if not self._first_load.done():
+                self._first_load.set_result(None)
+            interval = float(settings.LLMGW_ROUTING_REFRESH)
+            if any(self.waiting.values()):
+                interval /= 4
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
+            self._wake.clear()
+
+    def request_refresh(self) -> None:
+        """Reload soon; safe from any thread (signal handlers run in the database thread)."""
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(wake.set)
+
+    # --- choosing and accounting ---------------------------------------------------------
+
+    def choose(
+        self, route: routing.Route, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> routing.Upstream | None:
+        return routing.choose(
+            route.upstreams,
+            self.outstanding,
+            self.ejected_until,
+            time.monotonic(),
+            exclude=exclude,
+            offset=next(self._rotation),
+        )
+
+    def acquire(self, upstream: routing.Upstream) -> None:
+        self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
+
+    def release(self, upstream: routing.Upstream) -> None:
+        left = self.outstanding.get(upstream.id, 1) - 1
+        if left <= 0:
+            self.outstanding.pop(upstream.id, None)
+        else:
+            self.outstanding[upstream.id] = left
+
+    def eject(self, upstream: routing.Upstream, seconds: float | None = None) -> None:
+        cool_down = float(settings.LLMGW_EJECT_SECONDS) if seconds is None else seconds
+        self.ejected_until[upstream.id] = time.monotonic() + cool_down
+        logger.warning("upstream %s ejected for %.1fs", upstream.id, cool_down)
+
+    # --- stamps for the reconciler (coalesced, written by the refresh task) ---------------
+
+    def note_request(self, route: routing.Route, upstream: routing.Upstream | None) -> None:
+        if route.catalog_id is not None:
+            self._pending_last_request.add(("model", route.catalog_id))
+        if upstream is not None and upstream.id.startswith("replica:"):
+            self._pending_last_request.add(("replica", int(upstream.id[8:])))
+
+    def note_demand(self, route: routing.Route) -> None:
+        """A request found no ready replica; the reconciler places one on its next tick."""
+        if route.catalog_id is None:
+            return
+        self._pending_demand.add(route.catalog_id)
+        # Demand is what starts a cold model: write it now, not at the next refresh.
+        self.request_refresh()
+
+    async def _write_stamps(self) -> None:
+        now = time.monotonic()
+        due_demand = {m for m in self._pending_demand if self._due(("demand", m), now)}
+        due_last = {k for k in self._pending_last_request if self._due(k, now)}
+        self._pending_demand -= due_demand
+        self._pending_last_request -= due_last
+        if due_demand or due_last:
+            await sync_to_async(write_stamps)(due_demand, due_last)
+
+    def _due(self, key: tuple[str, int], now: float) -> bool:
+        if now - self._stamped.get(key, -STAMP_EVERY_S) < STAMP_EVERY_S:
+            return False
+        self._stamped[key] = now
+        return True
+
+
+def write_stamps(demand: set[int], last_request: set[tuple[str, int]]) -> None:
+    """Record demand and last-request times: conditional updates, so processes do not pile up
+    writes (a stamp younger than the coalescing window is left alone)."""
+    now = timezone.now()
+    fresh = now - timedelta(seconds=STAMP_EVERY_S)
+    if demand:
+        ServedModel.objects.filter(pk__in=demand).filter(
+            Q(demand_at__isnull=True) | Q(demand_at__lt=fresh)
+        ).update(demand_at=now)
+    models = [i for kind, i in last_request if kind == "model"]
+    replicas = [i for kind, i in last_request if kind == "replica"]
+    if models:
+        ServedModel.objects.filter(pk__in=models).filter(
+            Q(last_request_at__isnull=True) | Q(last_request_at__lt=fresh)
+        ).update(last_request_at=now)
+    if replicas:
+        Replica.objects.filter(pk__in=replicas).filter(
+            Q(last_request_at__isnull=True) | Q(last_request_at__lt=fresh)
+        ).update(last_request_at=now)
+
+
+upstreams = Upstreams()
+
+
+def _routing_row_changed(sender: Any, **kwargs: Any) -> None:
+    upstreams.request_refresh()
+
+
+for _model in (ServedModel, Profile, Replica, Shard, Node, Endpoint):
+    post_save.connect(_routing_row_changed, sender=_model, dispatch_uid=f"llmgw-route-{_model}")
+    post_delete.connect(_routing_row_changed, sender=_model, dispatch_uid=f"llmgw-route-d{_model}")
