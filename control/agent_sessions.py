@@ -1,0 +1,261 @@
+"""One agent's stream, on the control-plane side, whatever carries it.
+
+:class:`AgentSession` holds the protocol logic: hello first (within a deadline), then status
+and heartbeats in, full desired state out (on connect, on a nudge, on a periodic resync). A
+transport — the Channels consumer in :mod:`control.consumers`, a gRPC servicer later — only
+moves text frames and calls :meth:`AgentSession.receive`, :meth:`AgentSession.tick`,
+:meth:`AgentSession.send_desired`; authentication happened before the session exists.
+
+Writes are kept small: a shard's row is written when its reported state changes, load and
+GPU memory and the heartbeat at most every :func:`control.nodes.heartbeat_write_interval`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Final, Protocol
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+from django.db import DatabaseError
+
+from agents.protocol import (
+    CloseCode,
+    ErrorMessage,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    ShardStatus,
+    Status,
+    Welcome,
+    decode_agent_message,
+    encode,
+)
+from control import nodes
+
+logger = logging.getLogger(__name__)
+
+HELLO_TIMEOUT: Final = 10.0
+
+
+class Transport(Protocol):
+    async def send_text(self, text: str) -> None: ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+
+class Coalescer:
+    """Says "write now" at most once per interval (monotonic clock)."""
+
+    def __init__(self, interval: float, clock: Callable[[], float]) -> None:
+        self.interval = interval
+        self.clock = clock
+        self.last = -math.inf
+
+    def due(self) -> bool:
+        now = self.clock()
+        if now - self.last >= self.interval:
+            self.last = now
+            return True
+        return False
+
+
+def _state_key(report: ShardStatus) -> tuple[Any, ...]:
+    """What makes a shard report worth a write at once (load changes wait for the beat)."""
+    return (
+        report.generation,
+        report.state,
+        report.exit_code,
+        report.failure_class,
+        report.message,
+    )
+
+
+@dataclass
+class _Written:
+    """What this session last wrote, so an unchanged report costs no write."""
+
+    shards: dict[int, ShardStatus]
+    revision: int | None = None
+    stale_rejected: int | None = None
+    weights: tuple[Any, ...] | None = None
+    gpus: tuple[Any, ...] | None = None
+
+
+class AgentSession:
+    """The control plane's half of one agent stream."""
+
+    def __init__(
+        self,
+        identity: nodes.NodeIdentity,
+        transport: Transport,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.identity = identity
+        self.transport = transport
+        self.clock = clock
+        self.opened_at = clock()
+        self.hello: Hello | None = None
+        self.closed = False
+        self.heartbeat_interval = float(settings.LLMGW_AGENT_HEARTBEAT_INTERVAL)
+        self.resync_interval = float(settings.LLMGW_AGENT_RESYNC_INTERVAL)
+        self.next_resync = math.inf
+        self.beats = Coalescer(nodes.heartbeat_write_interval(), clock)
+        self.written = _Written(shards={})
+        self.sent_revision: int | None = None
+        self._send_lock = asyncio.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.identity.name
+
+    # ----------------------------------------------------------------------- inbound
+
+    async def receive(self, text: str | None = None, data: bytes | None = None) -> None:
+        """One frame from the agent. Bad input closes this stream with a clear code and
+        message; it never raises, so the server keeps serving every other agent."""
+        if self.closed:
+            return
+        try:
+            message = decode_agent_message(text if data is None else data)
+            if self.hello is None:
+                if not isinstance(message, Hello):
+                    raise ProtocolError(
+                        CloseCode.MALFORMED, f"expected hello first, got {type(message).__name__}"
+                    )
+                await self._on_hello(message)
+            elif isinstance(message, Hello):
+                raise ProtocolError(CloseCode.MALFORMED, "hello sent twice on one stream")
+            elif isinstance(message, Status):
+                await self._on_status(message)
+            elif isinstance(message, Heartbeat):
+                await self._on_heartbeat()
+            else:
+                logger.warning(
+                    "node %s reports an error %s: %s", self.name, message.code, message.message
+                )
+        except ProtocolError as exc:
+            logger.warning("node %s: %s (closing with %s)", self.name, exc.message, int(exc.code))
+            await self.fail(exc.code, exc.message)
+        except DatabaseError as exc:
+            # The store is down: this stream cannot do its job; the agent retries later and
+            # keeps its shards running meanwhile.
+            logger.error("node %s: store unavailable (%s); closing the stream", self.name, exc)
+            await self.fail(CloseCode.INTERNAL_ERROR, "the control plane's store is unavailable")
+
+    async def _on_hello(self, hello: Hello) -> None:
+        if hello.node != self.identity.name:
+            raise ProtocolError(
+                CloseCode.FORBIDDEN,
+                f"this stream is authenticated as node {self.identity.name!r}, not {hello.node!r}",
+            )
+        await database_sync_to_async(nodes.register_hello)(self.identity.id, hello)
+        self.hello = hello
+        self.beats.due()  # register_hello wrote the heartbeat
+        await self.transport.send_text(
+            encode(
+                Welcome(
+                    node=self.name,
+                    heartbeat_interval=self.heartbeat_interval,
+                    server_version=str(settings.LLMGW_VERSION),
+                )
+            )
+        )
+        await self.send_desired("connect")
+
+    async def _on_heartbeat(self) -> None:
+        if self.beats.due():
+            await database_sync_to_async(nodes.record_heartbeat)(self.identity.id)
+
+    async def _on_status(self, status: Status) -> None:
+        beat = self.beats.due()
+        written = self.written
+        changed = [
+            report
+            for report in status.shards
+            if (old := written.shards.get(report.shard_id)) is None
+            or _state_key(old) != _state_key(report)
+            or (beat and old != replace(report, log_tail=old.log_tail))
+        ]
+        report = nodes.NodeReport(
+            observed_revision=_if_changed(status.observed_revision, written.revision),
+            stale_rejected=_if_changed(status.stale_rejected, written.stale_rejected),
+            weights=_if_changed(status.weights, written.weights),
+            gpus=status.gpus if beat and status.gpus != written.gpus else None,
+        )
+        if changed or report != nodes.NodeReport():
+            await database_sync_to_async(nodes.record_status)(self.identity.id, changed, report)
+        if beat:
+            await database_sync_to_async(nodes.record_heartbeat)(self.identity.id)
+        # Remembered only once written: a failed write is retried with the next status.
+        written.shards = {r.shard_id: r for r in status.shards}
+        written.revision = status.observed_revision
+        written.stale_rejected = status.stale_rejected
+        written.weights = status.weights
+        if report.gpus is not None:
+            written.gpus = status.gpus
+
+    # ----------------------------------------------------------------------- outbound
+
+    async def send_desired(self, reason: str) -> None:
+        """Send the node's full desired state, read afresh from the database."""
+        if self.closed or self.hello is None:
+            return
+        async with self._send_lock:
+            try:
+                desired = await database_sync_to_async(nodes.build_desired_state)(self.identity.id)
+            except DatabaseError as exc:
+                # Keep the stream: the agent keeps what it runs; the next resync tries again.
+                logger.warning(
+                    "node %s: cannot read desired state (%s); will retry", self.name, exc
+                )
+                self.next_resync = self.clock() + min(self.resync_interval, 2.0)
+                return
+            await self.transport.send_text(encode(desired))
+            self.next_resync = self.clock() + self.resync_interval
+            if desired.revision != self.sent_revision:
+                logger.info(
+                    "node %s: sent desired state revision %s epoch %s (%d shards) on %s",
+                    self.name,
+                    desired.revision,
+                    desired.epoch,
+                    len(desired.shards),
+                    reason,
+                )
+            self.sent_revision = desired.revision
+
+    async def tick(self) -> None:
+        """Call about once a second: the hello deadline and the periodic resync."""
+        if self.closed:
+            return
+        now = self.clock()
+        if self.hello is None:
+            if now - self.opened_at >= HELLO_TIMEOUT:
+                await self.fail(CloseCode.HELLO_TIMEOUT, f"no hello within {HELLO_TIMEOUT:g}s")
+            return
+        if now >= self.next_resync:
+            await self.send_desired("resync")
+
+    async def fail(self, code: CloseCode, message: str) -> None:
+        """Tell the agent why, then close with ``code``."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self.transport.send_text(encode(ErrorMessage(int(code), message)))
+        finally:
+            # A close reason is limited to 123 bytes by RFC 6455.
+            await self.transport.close(int(code), message.encode()[:120].decode(errors="ignore"))
+
+    def disconnected(self) -> None:
+        self.closed = True
+
+
+def _if_changed(value: Any, previous: Any) -> Any:
+    return value if value != previous else None

@@ -1,0 +1,215 @@
+"""The agents' WebSocket stream through Channels: authentication, and a thin consumer that
+hands frames to :class:`control.agent_sessions.AgentSession`.
+
+Authentication is ASGI middleware on the handshake: ``Authorization: Bearer <node token>``
+(and the ``X-Llmgw-Node`` name the agent claims) are checked before the consumer exists, so a
+stream without a valid token is refused with HTTP 403 and never reaches any session code.
+
+The channel layer only carries nudges ("node N changed", "token revoked", "a newer stream
+took over"); if it goes away the stream stays up, re-reads desired state on its periodic
+resync, and rejoins its group when the layer comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.db import DatabaseError
+
+from agents.protocol import NODE_HEADER, CloseCode, ErrorMessage, encode
+from control import nodes
+from control.agent_sessions import AgentSession
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+SCOPE_KEY = "llmgw_node"
+_NODE_HEADER = NODE_HEADER.lower().encode()
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "unknown client"
+
+
+class NodeTokenAuthMiddleware:
+    """Admit a WebSocket only with a valid node token; put the node's identity in the scope."""
+
+    def __init__(self, inner: ASGIApp) -> None:
+        self.inner = inner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope.get("headers") or [])
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        claimed_raw = headers.get(_NODE_HEADER)
+        claimed = claimed_raw.decode("latin-1").strip() if claimed_raw is not None else None
+        try:
+            if scheme.lower() != "bearer":
+                raise nodes.TokenRejected("no bearer token")
+            identity = await database_sync_to_async(nodes.authenticate)(token.strip(), claimed)
+        except nodes.TokenRejected as exc:
+            logger.warning("agent stream from %s refused at the handshake: %s", _client(scope), exc)
+            await _deny(receive, send)
+            return
+        except DatabaseError as exc:
+            logger.error("agent stream from %s: store unavailable (%s)", _client(scope), exc)
+            await _accept_and_close(
+                receive,
+                send,
+                CloseCode.INTERNAL_ERROR,
+                "the control plane's store is unavailable; retry later",
+            )
+            return
+        await self.inner({**scope, SCOPE_KEY: identity}, receive, send)
+
+
+async def _deny(receive: Receive, send: Send) -> None:
+    """Close before accepting: Daphne answers the handshake with HTTP 403."""
+    message = await receive()
+    if message.get("type") == "websocket.connect":
+        await send({"type": "websocket.close", "code": int(CloseCode.UNAUTHORIZED)})
+
+
+async def _accept_and_close(receive: Receive, send: Send, code: CloseCode, text: str) -> None:
+    message = await receive()
+    if message.get("type") != "websocket.connect":
+        return
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.send", "text": encode(ErrorMessage(int(code), text))})
+    await send({"type": "websocket.close", "code": int(code)})
+
+
+async def reject_unknown_path(scope: Scope, receive: Receive, send: Send) -> None:
+    """Any other WebSocket path: refused at the handshake rather than a server error."""
+    await _deny(receive, send)
+
+
+class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
+    """One agent's stream. Everything it decides is in :class:`AgentSession`."""
+
+    session: AgentSession | None = None
+    _ticker: asyncio.Task[None] | None = None
+    _layer_down = False
+    _raw_channel_receive: Callable[[], Awaitable[dict[str, Any]]]
+
+    # Channels assigns ``channel_receive`` and then awaits it for every group message; a
+    # channel layer outage would end the consumer (and drop the agent) with an exception.
+    # This wrapper waits the outage out instead: the stream lives on, resyncs cover.
+    @property
+    def channel_receive(self) -> Callable[[], Awaitable[dict[str, Any]]]:
+        return self._resilient_channel_receive
+
+    @channel_receive.setter
+    def channel_receive(self, value: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self._raw_channel_receive = value
+
+    async def _resilient_channel_receive(self) -> dict[str, Any]:
+        delay = 0.5
+        while True:
+            try:
+                return await self._raw_channel_receive()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._mark_layer_down(exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _mark_layer_down(self, exc: BaseException) -> None:
+        if not self._layer_down:
+            logger.warning(
+                "channel layer unavailable (%s): nudges paused; node %s resyncs from the "
+                "database meanwhile",
+                type(exc).__name__,
+                self.session.name if self.session else "?",
+            )
+        self._layer_down = True
+
+    async def _join_group(self) -> None:
+        assert self.session is not None
+        try:
+            await self.channel_layer.group_add(
+                nodes.node_group(self.session.identity.id), self.channel_name
+            )
+        except Exception as exc:
+            self._mark_layer_down(exc)
+            return
+        if self._layer_down:
+            logger.info("channel layer back: node %s receives nudges again", self.session.name)
+        self._layer_down = False
+
+    async def connect(self) -> None:
+        identity: nodes.NodeIdentity = self.scope[SCOPE_KEY]
+        await self.accept()
+        self.session = AgentSession(identity, self)
+        await self._join_group()
+        # An older stream of this node (a half-open one the agent gave up on) closes itself.
+        with contextlib.suppress(Exception):
+            await self.channel_layer.group_send(
+                nodes.node_group(identity.id),
+                {"type": nodes.SESSION_TAKEOVER, "channel": self.channel_name},
+            )
+        self._ticker = asyncio.create_task(self._tick_loop())
+
+    async def _tick_loop(self) -> None:
+        assert self.session is not None
+        rejoin_every = max(1, int(self.session.resync_interval))
+        count = 0
+        while not self.session.closed:
+            await asyncio.sleep(1.0)
+            count += 1
+            try:
+                await self.session.tick()
+                # Group membership is lost when the channel layer restarts; joining again is
+                # idempotent and cheap.
+                if self._layer_down or count % rejoin_every == 0:
+                    await self._join_group()
+            except Exception:
+                logger.exception("node %s: stream housekeeping failed", self.session.name)
+
+    # Transport for AgentSession --------------------------------------------------------------
+
+    async def send_text(self, text: str) -> None:
+        await self.send(text_data=text)
+
+    # Frames and group messages --------------------------------------------------------------
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.session is not None:
+            await self.session.receive(text_data, bytes_data)
+
+    async def disconnect(self, code: int) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self.session is None:
+            return
+        self.session.disconnected()
+        logger.info("node %s: stream closed (code %s)", self.session.name, code)
+        with contextlib.suppress(Exception):
+            await self.channel_layer.group_discard(
+                nodes.node_group(self.session.identity.id), self.channel_name
+            )
+
+    async def desired_changed(self, event: dict[str, Any]) -> None:
+        if self.session is not None:
+            await self.session.send_desired("nudge")
+
+    async def token_revoked(self, event: dict[str, Any]) -> None:
+        if self.session is not None:
+            await self.session.fail(CloseCode.UNAUTHORIZED, "this node's token was revoked")
+
+    async def session_takeover(self, event: dict[str, Any]) -> None:
+        if self.session is not None and event.get("channel") != self.channel_name:
+            await self.session.fail(
+                CloseCode.REPLACED, "a newer stream of this node took over; closing this one"
+            )
