@@ -286,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s agent[{args.node}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # One line per health or metrics poll would drown what matters.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if not valid_node_name(args.node):
         parser.error(f"--node {args.node!r}: use 1-100 letters, digits, '-' or '_'")
     if args.simulate_gpus:

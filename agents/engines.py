@@ -6,6 +6,7 @@ Nothing here starts a process or touches the network, so every rule is tested on
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -142,6 +143,11 @@ def launch(shard: DesiredShard, ctx: LaunchContext, base_env: Mapping[str, str])
     values = template_values(shard, ctx)
     argv = tuple(render(part, values) for part in (*_RECIPES[shard.engine], *shard.args))
     env = {k: v for k, v in base_env.items() if not k.startswith("LLMGW_NODE_TOKEN")}
+    if shard.engine is Engine.SIM:
+        # sim is part of this package; engines run from the state directory, so the package
+        # must be importable from wherever the agent itself was imported.
+        path = [str(Path(__file__).resolve().parent.parent), base_env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
     env.update(
         {
             # The engine sees exactly its own GPUs; an empty list hides all of them, so a
@@ -180,7 +186,9 @@ _DOWNLOAD: Final = re.compile(
 )
 _BAD_ARGS: Final = re.compile(
     r"error: unrecognized arguments|error: argument |error: the following arguments are required"
-    r"|invalid choice:|usage: .*\n?.*error:|ValidationError|invalid value|unknown option",
+    r"|invalid choice:|usage: .*\n?.*error:|ValidationError|invalid value|unknown option"
+    # The engine is not installed for this interpreter: a configuration error, not a crash.
+    r"|No module named|Error while finding module specification",
     re.IGNORECASE,
 )
 ARGPARSE_EXIT: Final = 2
