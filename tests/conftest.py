@@ -10,8 +10,16 @@ from typing import Any
 
 import pytest
 from django.db import connection
+from pytest_django.fixtures import _set_suffix_to_test_databases
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None) -> None:
+    """One test database per pytest run, so runs side by side (two checkouts, a developer and
+    an editor's test runner) never create or drop each other's database."""
+    _set_suffix_to_test_databases(os.environ.get("LLMGW_TEST_DB_SUFFIX") or f"p{os.getpid()}")
 
 
 class FakeClock:
