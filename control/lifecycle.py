@@ -42,16 +42,17 @@ def has_waiting_demand(model: ModelDemand, now: datetime) -> bool:
 def wanted_replicas(model: ModelDemand, active: int, now: datetime) -> int:
     """How many replicas the model should run now.
 
-    At least ``min_replicas``; one when a request is waiting (scale from zero) or the model was
-    used within its idle timeout; a busy model keeps what it has; never above ``max_replicas``.
+    At least ``min_replicas``; at least one while a request waits for it (scale from zero); a
+    model used within its idle timeout keeps what it has (no scale-down while busy); never
+    above ``max_replicas``. Traffic alone never adds a replica: a model evicted to make room
+    comes back when a request next finds it cold.
     """
     if not model.enabled or model.max_replicas == 0:
         return 0
     wanted = model.min_replicas
-    busy = is_busy(model, now)
-    if busy or has_waiting_demand(model, now):
+    if has_waiting_demand(model, now):
         wanted = max(wanted, 1)
-    if busy:
+    if is_busy(model, now):
         wanted = max(wanted, active)
     return min(wanted, model.max_replicas)
 
@@ -64,7 +65,7 @@ class ReplicaUse:
     model: str
     ready: bool
     pinned: bool
-    model_busy: bool
+    in_flight: int
     last_request_at: datetime | None
 
 
@@ -85,7 +86,10 @@ def surplus_to_stop(replicas: Sequence[ReplicaUse], wanted: int) -> list[Replica
 
 
 def eviction_candidates(replicas: Sequence[ReplicaUse], for_model: str) -> list[ReplicaUse]:
-    """Replicas that may be stopped to make room for ``for_model``'s demand: idle, unpinned,
-    other models', least recently used first."""
-    candidates = [r for r in replicas if r.model != for_model and not r.pinned and not r.model_busy]
+    """Replicas that may be stopped to make room for ``for_model``'s demand: other models',
+    unpinned, idle (no request in flight), least recently used first. The caller passes only
+    replicas above their model's minimum, or the reconciler would fight itself."""
+    candidates = [
+        r for r in replicas if r.model != for_model and not r.pinned and r.in_flight == 0
+    ]
     return sorted(candidates, key=lambda r: (*_least_recently_used(r), r.replica_id))

@@ -35,6 +35,8 @@ class NodeCapacity:
     labels: Mapping[str, str] = field(default_factory=dict)
     used_ports: frozenset[int] = frozenset()
     cached_sources: frozenset[str] = frozenset()
+    # The node's own engine port range when its agent reported one; else the caller's default.
+    port_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ def _fitting_gpus(node: NodeCapacity, need_mib: int) -> list[FreeGpu]:
 
 
 def _free_port(node: NodeCapacity, port_range: tuple[int, int]) -> int | None:
-    low, high = port_range
+    low, high = node.port_range or port_range
     for port in range(low, high + 1):
         if port not in node.used_ports:
             return port
@@ -125,13 +127,12 @@ def place(
                     for rank, (node, gpu_indices, port) in enumerate(hosts)
                 )
             )
-    return Unplaceable(_explain(candidates, request, port_range, hosts, port_exhausted))
+    return Unplaceable(_explain(candidates, request, hosts, port_exhausted))
 
 
 def _explain(
     candidates: Sequence[NodeCapacity],
     request: ReplicaRequest,
-    port_range: tuple[int, int],
     hosts: Sequence[tuple[NodeCapacity, tuple[int, ...], int]],
     port_exhausted: Sequence[str],
 ) -> str:
@@ -141,8 +142,7 @@ def _explain(
         else f"{request.gpus_per_shard} GPU{'s' if request.gpus_per_shard != 1 else ''}"
     )
     if port_exhausted and not hosts:
-        low, high = port_range
-        return f"no free port in {low}-{high} on {', '.join(port_exhausted)}"
+        return f"no free port in its port range on {', '.join(port_exhausted)}"
     if request.shards > 1:
         have = ", ".join(node.name for node, _, _ in hosts) or "none"
         return (

@@ -263,6 +263,16 @@ if LLMGW_AGENT_HEARTBEAT_INTERVAL * 2 >= LLMGW_UNREACHABLE_AFTER:
         "heartbeat would make a healthy node unreachable"
     )
 
+# Beat sends one reconcile tick per interval; a tick not started before the next is due is
+# dropped (``expires``), so a worker that was down for ten intervals runs one tick, not ten.
+CELERY_BEAT_SCHEDULE = {
+    "reconcile": {
+        "task": "control.tasks.reconcile",
+        "schedule": LLMGW_RECONCILE_INTERVAL,
+        "options": {"expires": LLMGW_RECONCILE_INTERVAL * 0.9},
+    },
+}
+
 if _errors:
     raise ImproperlyConfigured("llmgw cannot start:\n  " + "\n  ".join(_errors))
 

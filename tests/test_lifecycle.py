@@ -65,6 +65,11 @@ def test_a_busy_model_keeps_its_replicas_and_an_idle_one_scales_to_its_minimum()
     assert wanted_replicas(idle, active=3, now=NOW) == 1
 
 
+def test_traffic_alone_does_not_bring_back_an_evicted_model() -> None:
+    evicted = demand(last_request_at=NOW - timedelta(minutes=1))
+    assert wanted_replicas(evicted, active=0, now=NOW) == 0
+
+
 def test_never_more_than_the_maximum_and_nothing_when_disabled() -> None:
     assert wanted_replicas(demand(min_replicas=2, max_replicas=2, last_request_at=NOW), 5, NOW) == 2
     assert wanted_replicas(demand(min_replicas=2, enabled=False), 2, NOW) == 0
@@ -76,7 +81,7 @@ def use(replica_id: int, **overrides: object) -> ReplicaUse:
         "model": "m",
         "ready": True,
         "pinned": False,
-        "model_busy": False,
+        "in_flight": 0,
         "last_request_at": None,
     }
     values.update(overrides)
@@ -93,11 +98,11 @@ def test_scale_down_stops_unready_first_then_least_recently_used() -> None:
     assert surplus_to_stop(replicas, wanted=3) == []
 
 
-def test_eviction_skips_pinned_busy_and_own_replicas_and_orders_by_last_use() -> None:
+def test_eviction_skips_pinned_serving_and_own_replicas_and_orders_by_last_use() -> None:
     replicas = [
         use(1, model="a", last_request_at=NOW - timedelta(minutes=5)),
         use(2, model="b", pinned=True),
-        use(3, model="c", model_busy=True),
+        use(3, model="c", in_flight=2),
         use(4, model="target"),
         use(5, model="d", last_request_at=NOW - timedelta(hours=2)),
         use(6, model="e"),

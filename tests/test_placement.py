@@ -105,7 +105,10 @@ def test_ports_skip_those_in_use_and_run_out_with_a_reason() -> None:
     assert isinstance(result, Placement) and result.shards[0].port == 20005
     full = frozenset(range(20000, 20010))
     result = place([node("a", GIB, used_ports=full)], ReplicaRequest("m", "org/m"), PORTS)
-    assert result == Unplaceable("no free port in 20000-20009 on a")
+    assert result == Unplaceable("no free port in its port range on a")
+    own_range = NodeCapacity("b", (FreeGpu(0, GIB),), used_ports=full, port_range=(21000, 21001))
+    result = place([own_range], ReplicaRequest("m", "org/m"), PORTS)
+    assert isinstance(result, Placement) and result.shards[0].port == 21000
 
 
 def test_cpu_only_profiles_need_no_gpu() -> None:

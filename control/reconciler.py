@@ -1,0 +1,631 @@
+"""The reconciler: compare what the catalog and demand want with what the fleet runs, and
+converge. Leader-gated and fenced: it acts only while this process holds the lease, and every
+write happens inside :func:`control.leases.fenced`, so a deposed leader's late writes change
+nothing.
+
+A tick reads one snapshot, decides with pure functions (``control.lifecycle``,
+``control.placement``) and applies each decision as its own state change: one function, one
+fenced transaction, a conditional update whose row count says whether the world still looked
+as the decision assumed, an Event, and the affected nodes' desired-state revision bumped with a
+nudge sent on commit. Running a tick twice is harmless: the second finds nothing to do.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import DatabaseError, close_old_connections, connection
+from django.db.models import F
+from django.utils import timezone
+
+from control import leases, lifecycle, nodes, placement
+from control.leases import Leadership, LeadershipLost
+from control.models import Event, Node, Replica, ServedModel, Shard
+
+logger = logging.getLogger(__name__)
+
+# Shards in these observed states hold their GPUs and port whatever is desired: the process
+# may be running. A shard the agent never started, or reported stopped or failed, holds nothing
+# once its replica is desired stopped.
+LIVE_SHARD_STATES = frozenset(
+    {Replica.Observed.STARTING, Replica.Observed.READY, Replica.Observed.DRAINING}
+)
+
+
+# --------------------------------------------------------------------------- the snapshot
+
+
+@dataclass
+class ShardView:
+    id: int
+    node_id: int
+    rank: int
+    gpu_indices: tuple[int, ...]
+    port: int
+    observed: str
+    requests_running: int = 0
+
+
+@dataclass
+class ReplicaView:
+    id: int
+    model_id: int
+    desired: str
+    observed: str
+    failures: int
+    backoff_until: datetime | None
+    created_at: datetime
+    last_request_at: datetime | None
+    shards: list[ShardView] = field(default_factory=list)
+
+    def holds_resources(self) -> bool:
+        if self.desired != Replica.Desired.STOPPED:
+            return True
+        return any(shard.observed in LIVE_SHARD_STATES for shard in self.shards)
+
+
+@dataclass
+class Snapshot:
+    now: datetime
+    models: dict[int, ServedModel]
+    nodes: dict[int, Node]
+    replicas: list[ReplicaView]
+
+    def replicas_of(self, model_id: int) -> list[ReplicaView]:
+        return [r for r in self.replicas if r.model_id == model_id]
+
+
+def read_snapshot(now: datetime) -> Snapshot:
+    """Everything one tick decides on, in a handful of queries."""
+    models = {
+        m.pk: m
+        for m in ServedModel.objects.select_related("default_profile").prefetch_related("profiles")
+    }
+    fleet = {n.pk: n for n in Node.objects.prefetch_related("gpus")}
+    replicas: dict[int, ReplicaView] = {}
+    for replica in Replica.objects.exclude(
+        desired=Replica.Desired.STOPPED, observed__in=[Replica.Observed.STOPPED]
+    ).order_by("id"):
+        replicas[replica.pk] = ReplicaView(
+            replica.pk,
+            replica.model_id,
+            replica.desired,
+            replica.observed,
+            replica.failures,
+            replica.backoff_until,
+            replica.created_at,
+            replica.last_request_at,
+        )
+    for shard in Shard.objects.filter(replica_id__in=list(replicas)).order_by("replica_id", "rank"):
+        replicas[shard.replica_id].shards.append(
+            ShardView(
+                shard.pk,
+                shard.node_id,
+                shard.rank,
+                tuple(int(i) for i in shard.gpu_indices),
+                shard.port,
+                shard.observed,
+                shard.requests_running or 0,
+            )
+        )
+    return Snapshot(now, models, fleet, list(replicas.values()))
+
+
+def _schedulable(node: Node) -> bool:
+    return node.health == Node.Health.READY and node.schedule == Node.Schedule.ACTIVE
+
+
+def capacity(snapshot: Snapshot, *, ignoring: Iterable[int] = ()) -> list[placement.NodeCapacity]:
+    """Free GPUs and ports of schedulable nodes; ``ignoring`` replica ids count as gone (to ask
+    "would evicting these make room?")."""
+    ignored = set(ignoring)
+    held_gpus: dict[int, set[int]] = defaultdict(set)
+    held_ports: dict[int, set[int]] = defaultdict(set)
+    for replica in snapshot.replicas:
+        if replica.id in ignored or not replica.holds_resources():
+            continue
+        for shard in replica.shards:
+            held_gpus[shard.node_id].update(shard.gpu_indices)
+            held_ports[shard.node_id].add(shard.port)
+    result = []
+    for node in snapshot.nodes.values():
+        if not _schedulable(node):
+            continue
+        free = tuple(
+            placement.FreeGpu(gpu.index, max(0, gpu.memory_total_mib - gpu.memory_used_mib))
+            for gpu in node.gpus.all()
+            if gpu.index not in held_gpus[node.pk]
+        )
+        present = {
+            str(w.get("name"))
+            for w in node.weights_report
+            if isinstance(w, dict) and w.get("state") == "present"
+        }
+        port_range = (node.port_min, node.port_max) if node.port_min and node.port_max else None
+        result.append(
+            placement.NodeCapacity(
+                node.name,
+                free,
+                labels={str(k): str(v) for k, v in node.labels.items()},
+                used_ports=frozenset(held_ports[node.pk]),
+                cached_sources=frozenset(present),
+                port_range=port_range,
+            )
+        )
+    return result
+
+
+def replica_request(model: ServedModel) -> placement.ReplicaRequest:
+    profile = model.default_profile
+    return placement.ReplicaRequest(
+        model=model.name,
+        source=model.source,
+        gpus_per_shard=profile.gpus_per_shard,
+        shards=profile.shards_per_replica,
+        gpu_memory_mib=profile.gpu_memory_mib,
+        selector={str(k): str(v) for k, v in profile.gpu_selector.items()},
+        strategy="spread" if profile.placement_strategy == "spread" else "binpack",
+    )
+
+
+def demand_of(model: ServedModel) -> lifecycle.ModelDemand:
+    return lifecycle.ModelDemand(
+        enabled=model.enabled,
+        min_replicas=model.min_replicas,
+        max_replicas=model.max_replicas,
+        idle_timeout=timedelta(seconds=model.idle_timeout_s),
+        activation_timeout=timedelta(seconds=model.activation_timeout_s),
+        last_request_at=model.last_request_at,
+        demand_at=model.demand_at,
+    )
+
+
+# --------------------------------------------------------------------------- state changes
+
+
+def _event(lead: Leadership, kind: str, subject: str, message: str, **data: object) -> None:
+    Event.objects.create(kind=kind, subject=subject, message=message, epoch=lead.epoch, data=data)
+    logger.info("%s: %s", subject, message)
+
+
+def _touch_nodes(node_ids: Iterable[int]) -> None:
+    """The nodes' desired state changed: bump their revisions; their streams hear on commit."""
+    for node_id in sorted(set(node_ids)):
+        nodes.nudge_node(node_id)
+
+
+def _node_ids(replica_id: int) -> list[int]:
+    return list(Shard.objects.filter(replica_id=replica_id).values_list("node_id", flat=True))
+
+
+def create_replica(
+    lead: Leadership, model: ServedModel, where: placement.Placement, reason: str
+) -> int | None:
+    """Place a new replica of ``model``; None when the fence or a racing write refused it."""
+    node_ids = {n.name: n.pk for n in Node.objects.filter(name__in=[s.node for s in where.shards])}
+    with leases.fenced(lead):
+        replica = Replica.objects.create(
+            model=model, profile=model.default_profile, epoch=lead.epoch
+        )
+        Shard.objects.bulk_create(
+            Shard(
+                replica=replica,
+                node_id=node_ids[shard.node],
+                rank=shard.rank,
+                gpu_indices=list(shard.gpu_indices),
+                port=shard.port,
+            )
+            for shard in where.shards
+        )
+        ServedModel.objects.filter(pk=model.pk).exclude(placement_note="").update(placement_note="")
+        layout = ", ".join(
+            f"rank {s.rank} on {s.node} gpus {list(s.gpu_indices)} port {s.port}"
+            for s in where.shards
+        )
+        _event(
+            lead,
+            Event.Kind.PLACEMENT,
+            f"model/{model.name}",
+            f"placed replica #{replica.pk} ({reason}): {layout}",
+            replica=replica.pk,
+        )
+        _touch_nodes(node_ids.values())
+    return replica.pk
+
+
+def note_unplaceable(lead: Leadership, model: ServedModel, reason: str) -> None:
+    """Record why a wanted replica cannot be placed (an event only when the reason changes)."""
+    with leases.fenced(lead):
+        changed = (
+            ServedModel.objects.filter(pk=model.pk)
+            .exclude(placement_note=reason)
+            .update(placement_note=reason)
+        )
+        if changed:
+            _event(lead, Event.Kind.PLACEMENT, f"model/{model.name}", f"cannot place: {reason}")
+
+
+def change_desired(
+    lead: Leadership,
+    replica_id: int,
+    *,
+    from_states: Iterable[str],
+    to: str,
+    subject: str,
+    why: str,
+) -> bool:
+    """Move a replica's desired state if it is still in one of ``from_states``."""
+    with leases.fenced(lead):
+        changed = Replica.objects.filter(pk=replica_id, desired__in=list(from_states)).update(
+            desired=to, epoch=lead.epoch
+        )
+        if changed:
+            _event(
+                lead,
+                Event.Kind.LIFECYCLE,
+                subject,
+                f"replica #{replica_id} → {to}: {why}",
+                replica=replica_id,
+            )
+            _touch_nodes(_node_ids(replica_id))
+    return bool(changed)
+
+
+def schedule_restart(lead: Leadership, replica: ReplicaView, subject: str, now: datetime) -> None:
+    """A replica failed (its agent's report counted the failure): set when it may restart."""
+    failures = max(1, replica.failures)
+    delay = lifecycle.backoff_seconds(
+        failures, settings.LLMGW_BACKOFF_BASE, settings.LLMGW_BACKOFF_MAX
+    )
+    with leases.fenced(lead):
+        changed = Replica.objects.filter(
+            pk=replica.id, observed=Replica.Observed.FAILED, backoff_until__isnull=True
+        ).update(backoff_until=now + timedelta(seconds=delay))
+        if changed:
+            failure = Replica.objects.values_list("failure_class", flat=True).get(pk=replica.id)
+            _event(
+                lead,
+                Event.Kind.LIFECYCLE,
+                subject,
+                f"replica #{replica.id} failed ({failure or 'unknown'}), failure {failures}; "
+                f"restarting in {delay:g}s",
+                replica=replica.id,
+            )
+
+
+def restart_replica(lead: Leadership, replica: ReplicaView, subject: str) -> None:
+    """Backoff over: a new generation makes the agents start the shards afresh."""
+    with leases.fenced(lead):
+        changed = Replica.objects.filter(
+            pk=replica.id, observed=Replica.Observed.FAILED, backoff_until__isnull=False
+        ).update(
+            generation=F("generation") + 1,
+            observed=Replica.Observed.PENDING,
+            backoff_until=None,
+            epoch=lead.epoch,
+        )
+        if changed:
+            Shard.objects.filter(replica_id=replica.id).update(
+                observed=Replica.Observed.PENDING, exit_code=None
+            )
+            _event(lead, Event.Kind.LIFECYCLE, subject, f"replica #{replica.id} restarting")
+            _touch_nodes(_node_ids(replica.id))
+
+
+def satisfy_demand(lead: Leadership, model: ServedModel) -> None:
+    """A ready replica answers the waiting requests: forget the demand, unless a newer one
+    arrived since the snapshot (the compare on ``demand_at`` keeps it)."""
+    with leases.fenced(lead):
+        ServedModel.objects.filter(pk=model.pk, demand_at=model.demand_at).update(demand_at=None)
+    model.demand_at = None
+
+
+def reset_failures(lead: Leadership, replica: ReplicaView) -> None:
+    """Ready again: the next failure starts the backoff from the base."""
+    with leases.fenced(lead):
+        Replica.objects.filter(pk=replica.id, observed=Replica.Observed.READY).update(failures=0)
+
+
+# --------------------------------------------------------------------------- the tick
+
+
+@dataclass
+class TickResult:
+    acted: bool
+    epoch: int = 0
+    placed: int = 0
+    changed: int = 0
+    lost_leadership: bool = False
+
+
+def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
+    """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick."""
+    now = now or timezone.now()
+    with leases.fenced(lead):
+        nodes.refresh_node_health(now)
+    snapshot = read_snapshot(now)
+    result = TickResult(acted=True, epoch=lead.epoch)
+    _abandon_lost(lead, snapshot, result)
+    _restart_failed(lead, snapshot, result)
+    _finish_drains(lead, snapshot, result)
+    for model in snapshot.models.values():
+        _scale(lead, snapshot, model, result)
+    return result
+
+
+def _subject(snapshot: Snapshot, replica: ReplicaView) -> str:
+    return f"model/{snapshot.models[replica.model_id].name}"
+
+
+def _abandon_lost(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+    """Replicas with a shard on a lost node are stopped; the scale step places replacements.
+    A lost node that returns is sent "stop" for them, so duplicates do not survive."""
+    lost = {pk for pk, node in snapshot.nodes.items() if node.health == Node.Health.LOST}
+    for replica in snapshot.replicas:
+        on_lost = sorted(
+            {snapshot.nodes[s.node_id].name for s in replica.shards if s.node_id in lost}
+        )
+        if on_lost and replica.desired != Replica.Desired.STOPPED:
+            if change_desired(
+                lead,
+                replica.id,
+                from_states=[Replica.Desired.RUNNING, Replica.Desired.DRAINING],
+                to=Replica.Desired.STOPPED,
+                subject=_subject(snapshot, replica),
+                why=f"node {', '.join(on_lost)} lost",
+            ):
+                replica.desired = Replica.Desired.STOPPED
+                result.changed += 1
+
+
+def _restart_failed(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+    for replica in snapshot.replicas:
+        if replica.desired != Replica.Desired.RUNNING:
+            continue
+        if replica.observed == Replica.Observed.READY and replica.failures:
+            reset_failures(lead, replica)
+        if replica.observed != Replica.Observed.FAILED:
+            continue
+        if replica.backoff_until is None:
+            schedule_restart(lead, replica, _subject(snapshot, replica), snapshot.now)
+            result.changed += 1
+        elif replica.backoff_until <= snapshot.now:
+            restart_replica(lead, replica, _subject(snapshot, replica))
+            result.changed += 1
+
+
+def _finish_drains(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+    """A draining replica whose shards all stopped is stopped."""
+    for replica in snapshot.replicas:
+        if replica.desired != Replica.Desired.DRAINING:
+            continue
+        if all(s.observed not in LIVE_SHARD_STATES for s in replica.shards):
+            if change_desired(
+                lead,
+                replica.id,
+                from_states=[Replica.Desired.DRAINING],
+                to=Replica.Desired.STOPPED,
+                subject=_subject(snapshot, replica),
+                why="drained",
+            ):
+                replica.desired = Replica.Desired.STOPPED
+                result.changed += 1
+
+
+def _leaving(snapshot: Snapshot, replica: ReplicaView) -> bool:
+    """On a node the operator is draining: to be replaced, then drained."""
+    return any(snapshot.nodes[s.node_id].schedule == Node.Schedule.DRAINING for s in replica.shards)
+
+
+def _use(snapshot: Snapshot, replica: ReplicaView) -> lifecycle.ReplicaUse:
+    model = snapshot.models[replica.model_id]
+    return lifecycle.ReplicaUse(
+        replica_id=replica.id,
+        model=model.name,
+        ready=replica.observed == Replica.Observed.READY,
+        pinned=model.pinned,
+        in_flight=sum(s.requests_running for s in replica.shards),
+        last_request_at=replica.last_request_at or model.last_request_at,
+    )
+
+
+def _scale(lead: Leadership, snapshot: Snapshot, model: ServedModel, result: TickResult) -> None:
+    running = [r for r in snapshot.replicas_of(model.pk) if r.desired == Replica.Desired.RUNNING]
+    leaving = [r for r in running if _leaving(snapshot, r)]
+    active = [r for r in running if r not in leaving]
+    if model.demand_at is not None and any(r.observed == Replica.Observed.READY for r in running):
+        satisfy_demand(lead, model)
+    demand = demand_of(model)
+    wanted = lifecycle.wanted_replicas(demand, len(active) + len(leaving), snapshot.now)
+    subject = f"model/{model.name}"
+
+    unplaced_reason = ""
+    for _ in range(wanted - len(active)):
+        outcome = placement.place(
+            capacity(snapshot), replica_request(model), settings.LLMGW_PORT_RANGE
+        )
+        if isinstance(outcome, placement.Unplaceable):
+            unplaced_reason = outcome.reason
+            break
+        why = "replacing a replica on a draining node" if leaving else "wanted by demand"
+        replica_id = create_replica(lead, model, outcome, why)
+        if replica_id is None:
+            break
+        result.placed += 1
+        # The next placement in this tick must see what this one took.
+        snapshot.replicas.append(
+            ReplicaView(
+                replica_id,
+                model.pk,
+                Replica.Desired.RUNNING,
+                Replica.Observed.PENDING,
+                0,
+                None,
+                snapshot.now,
+                None,
+                [
+                    ShardView(
+                        0, snapshot_node_id(snapshot, s.node), s.rank, s.gpu_indices, s.port, ""
+                    )
+                    for s in outcome.shards
+                ],
+            )
+        )
+        active.append(snapshot.replicas[-1])
+
+    if unplaced_reason:
+        note_unplaceable(lead, model, unplaced_reason)
+        if not active and lifecycle.has_waiting_demand(demand, snapshot.now):
+            _evict_for(lead, snapshot, model, result)
+
+    # Drain leaving replicas once enough others are ready, or when none can replace them.
+    ready_elsewhere = sum(1 for r in active if r.observed == Replica.Observed.READY)
+    for replica in leaving:
+        if ready_elsewhere >= min(wanted, len(running)) or unplaced_reason:
+            if change_desired(
+                lead,
+                replica.id,
+                from_states=[Replica.Desired.RUNNING],
+                to=Replica.Desired.DRAINING,
+                subject=subject,
+                why="its node is draining",
+            ):
+                result.changed += 1
+
+    for surplus in lifecycle.surplus_to_stop([_use(snapshot, r) for r in active], wanted):
+        to = Replica.Desired.DRAINING if surplus.ready else Replica.Desired.STOPPED
+        why = "model disabled" if not model.enabled else "idle: scaling down"
+        if change_desired(
+            lead,
+            surplus.replica_id,
+            from_states=[Replica.Desired.RUNNING],
+            to=to,
+            subject=subject,
+            why=why,
+        ):
+            result.changed += 1
+
+
+def snapshot_node_id(snapshot: Snapshot, name: str) -> int:
+    return next(pk for pk, node in snapshot.nodes.items() if node.name == name)
+
+
+def _evict_for(
+    lead: Leadership, snapshot: Snapshot, model: ServedModel, result: TickResult
+) -> None:
+    """Make room for a cold model with waiting requests by draining an idle replica of another
+    model (unpinned, above its minimum, least recently used first). One eviction at a time:
+    while a drain is in progress its GPUs are not free yet, and evicting more would overshoot."""
+    if any(r.desired == Replica.Desired.DRAINING for r in snapshot.replicas):
+        return
+    per_model: dict[int, int] = defaultdict(int)
+    for replica in snapshot.replicas:
+        if replica.desired == Replica.Desired.RUNNING:
+            per_model[replica.model_id] += 1
+    evictable = [
+        r
+        for r in snapshot.replicas
+        if r.desired == Replica.Desired.RUNNING
+        and per_model[r.model_id] > snapshot.models[r.model_id].min_replicas
+    ]
+    request = replica_request(model)
+    for candidate in lifecycle.eviction_candidates(
+        [_use(snapshot, r) for r in evictable], model.name
+    ):
+        freed = capacity(snapshot, ignoring=[candidate.replica_id])
+        if isinstance(
+            placement.place(freed, request, settings.LLMGW_PORT_RANGE), placement.Placement
+        ):
+            if change_desired(
+                lead,
+                candidate.replica_id,
+                from_states=[Replica.Desired.RUNNING],
+                to=Replica.Desired.DRAINING,
+                subject=f"model/{candidate.model}",
+                why=f"evicted (idle) to make room for {model.name}",
+            ):
+                result.changed += 1
+            return
+
+
+# --------------------------------------------------------------------------- running it
+
+
+class Reconciler:
+    """Keeps this process's claim between ticks and runs one tick at a time on this host."""
+
+    def __init__(self) -> None:
+        self.leadership: Leadership | None = None
+
+    def run_once(self) -> TickResult:
+        with _one_tick_at_a_time() as got_it:
+            if not got_it:
+                logger.info("a tick is already running on this host; skipping")
+                return TickResult(acted=False)
+            close_old_connections()
+            self.leadership = leases.claim(previous=self.leadership)
+            if not self.leadership.may_act():
+                return TickResult(acted=False, epoch=self.leadership.epoch)
+            try:
+                return tick(self.leadership)
+            except LeadershipLost as exc:
+                logger.warning("lost leadership mid-tick; remaining writes dropped: %s", exc)
+                return TickResult(acted=True, epoch=self.leadership.epoch, lost_leadership=True)
+            except DatabaseError as exc:
+                logger.warning("tick aborted, store error: %s", type(exc).__name__)
+                connection.close_if_unusable_or_obsolete()
+                return TickResult(acted=False, epoch=self.leadership.epoch)
+
+    def shutdown(self) -> None:
+        """Graceful stop: give the lease back so a standby takes over at once."""
+        if self.leadership is not None:
+            leases.release(self.leadership)
+            self.leadership = None
+
+
+@contextmanager
+def _one_tick_at_a_time() -> Iterator[bool]:
+    """A host-wide lock (a worker with several processes, or a `reconcile --loop` beside it)."""
+    path = settings.VAR_DIR / "reconciler.lock"
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_process_reconciler: Reconciler | None = None
+
+
+def process_reconciler() -> Reconciler:
+    """The one Reconciler of this process (the Celery task's state between ticks)."""
+    global _process_reconciler
+    if _process_reconciler is None:
+        _process_reconciler = Reconciler()
+    return _process_reconciler
+
+
+def run_loop(interval: float, stop: threading.Event) -> None:
+    """`manage.py reconcile --loop`: tick every ``interval`` seconds until ``stop`` is set."""
+    reconciler = process_reconciler()
+    try:
+        while not stop.is_set():
+            started = time.monotonic()
+            reconciler.run_once()
+            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        reconciler.shutdown()

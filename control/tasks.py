@@ -1,0 +1,31 @@
+"""Celery tasks of the control plane: thin edges over ``control.reconciler``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import shared_task
+from celery.signals import worker_process_shutdown, worker_shutdown
+from django.conf import settings
+
+from control import reconciler
+
+
+@shared_task(
+    name="control.tasks.reconcile",
+    ignore_result=True,
+    # A tick that outlives the renew deadline could not write anyway (the fence refuses);
+    # stop it rather than let it hold the worker.
+    soft_time_limit=settings.LLMGW_LEASE_RENEW_DEADLINE,
+    time_limit=settings.LLMGW_LEASE_TTL,
+)
+def reconcile() -> None:
+    """One tick, acting only if this process leads (beat sends one about every second)."""
+    reconciler.process_reconciler().run_once()
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def release_lease_on_shutdown(**kwargs: Any) -> None:
+    """A clean stop gives the lease back, so a standby leads within one tick, not one TTL."""
+    reconciler.process_reconciler().shutdown()
