@@ -46,6 +46,7 @@ class Profile(models.Model):
         blank=True,
         help_text='Node labels a placement requires, e.g. {"gpu": "h100"}.',
     )
+
     class Strategy(models.TextChoices):
         BINPACK = "binpack", "bin-pack (fill the fullest node that fits)"
         SPREAD = "spread", "spread (use the emptiest node)"

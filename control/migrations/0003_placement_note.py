@@ -4,15 +4,16 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('control', '0002_database_clock'),
+        ("control", "0002_database_clock"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='servedmodel',
-            name='placement_note',
-            field=models.TextField(blank=True, editable=False, help_text='Why a wanted replica could not be placed.'),
+            model_name="servedmodel",
+            name="placement_note",
+            field=models.TextField(
+                blank=True, editable=False, help_text="Why a wanted replica could not be placed."
+            ),
         ),
     ]

@@ -4,60 +4,59 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('control', '0003_placement_note'),
+        ("control", "0003_placement_note"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='desired_revision',
+            model_name="node",
+            name="desired_revision",
             field=models.BigIntegerField(default=0, editable=False),
         ),
         migrations.AddField(
-            model_name='node',
-            name='observed_revision',
+            model_name="node",
+            name="observed_revision",
             field=models.BigIntegerField(default=0, editable=False),
         ),
         migrations.AddField(
-            model_name='node',
-            name='port_max',
+            model_name="node",
+            name="port_max",
             field=models.PositiveIntegerField(blank=True, editable=False, null=True),
         ),
         migrations.AddField(
-            model_name='node',
-            name='port_min',
+            model_name="node",
+            name="port_min",
             field=models.PositiveIntegerField(blank=True, editable=False, null=True),
         ),
         migrations.AddField(
-            model_name='node',
-            name='remove_weights',
+            model_name="node",
+            name="remove_weights",
             field=models.JSONField(blank=True, default=list),
         ),
         migrations.AddField(
-            model_name='node',
-            name='stale_desired_rejected',
+            model_name="node",
+            name="stale_desired_rejected",
             field=models.PositiveIntegerField(default=0, editable=False),
         ),
         migrations.AddField(
-            model_name='node',
-            name='weights_report',
+            model_name="node",
+            name="weights_report",
             field=models.JSONField(blank=True, default=list, editable=False),
         ),
         migrations.AddField(
-            model_name='shard',
-            name='message',
+            model_name="shard",
+            name="message",
             field=models.CharField(blank=True, editable=False, max_length=500),
         ),
         migrations.AddField(
-            model_name='shard',
-            name='requests_running',
+            model_name="shard",
+            name="requests_running",
             field=models.PositiveIntegerField(blank=True, editable=False, null=True),
         ),
         migrations.AddField(
-            model_name='shard',
-            name='requests_waiting',
+            model_name="shard",
+            name="requests_waiting",
             field=models.PositiveIntegerField(blank=True, editable=False, null=True),
         ),
     ]

@@ -4,15 +4,21 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('control', '0004_agent_protocol'),
+        ("control", "0004_agent_protocol"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='profile',
-            name='placement_strategy',
-            field=models.CharField(choices=[('binpack', 'bin-pack (fill the fullest node that fits)'), ('spread', 'spread (use the emptiest node)')], default='binpack', max_length=10),
+            model_name="profile",
+            name="placement_strategy",
+            field=models.CharField(
+                choices=[
+                    ("binpack", "bin-pack (fill the fullest node that fits)"),
+                    ("spread", "spread (use the emptiest node)"),
+                ],
+                default="binpack",
+                max_length=10,
+            ),
         ),
     ]
