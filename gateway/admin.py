@@ -1,43 +1,201 @@
-"""The gateway in the Django admin: keys, static endpoints, usage."""
+"""The gateway in the Django admin: API keys, static endpoints, usage.
+
+A key is made by ``gateway.keys.issue`` (the only place keys are minted) and shown once, on
+the page that answers the form: it is never put in a message, the session or a cookie, so
+the only copy outside the owner's hands is its SHA-256. Afterwards the admin shows its prefix.
+"""
 
 from __future__ import annotations
 
-from django.contrib import admin
+from typing import Any
+from weakref import WeakKeyDictionary
 
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+
+from gateway import keys, reports
 from gateway.models import ApiKey, Endpoint, UsageRecord
+
+# The full key between save_model (which mints it) and response_add (which shows it), held
+# for the one request only.
+_issued: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
+
+
+class ApiKeyForm(forms.ModelForm[ApiKey]):
+    class Meta:
+        model = ApiKey
+        fields = "__all__"
+
+    def clean_allowed_models(self) -> list[str]:
+        names = self.cleaned_data.get("allowed_models") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise forms.ValidationError('A list of model names, e.g. ["llama3"]; empty: all.')
+        return sorted(set(names))
 
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
-    list_display = ["prefix", "name", "user", "created_at", "expires_at", "revoked_at"]
-    list_filter = ["revoked_at"]
+    form = ApiKeyForm
+    list_display = [
+        "prefix",
+        "name",
+        "user",
+        "allowed",
+        "created_at",
+        "last_used_at",
+        "expires_at",
+        "revoked_at",
+    ]
+    list_filter = ["revoked_at", "created_at"]
+    list_select_related = ["user"]
     search_fields = ["prefix", "name", "user__username"]
-    readonly_fields = ["prefix", "created_at", "revoked_at", "last_used_at"]
+    autocomplete_fields = ["user"]
+    actions = ["revoke"]
+    fields = [
+        "user",
+        "name",
+        "prefix",
+        "allowed_models",
+        "rpm_limit",
+        "tpm_limit",
+        "token_budget",
+        "budget_period",
+        "expires_at",
+        "created_at",
+        "last_used_at",
+        "revoked_at",
+    ]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> list[str]:
+        observed = ["prefix", "created_at", "last_used_at", "revoked_at"]
+        # A key belongs to one user for life: moving it would hand its usage to someone else.
+        return [*observed, "user"] if obj is not None else observed
+
+    @admin.display(description="models")
+    def allowed(self, obj: ApiKey) -> str:
+        return ", ".join(obj.allowed_models) or "all"
+
+    def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        issued = keys.issue(
+            obj.user.get_username(),
+            name=obj.name,
+            models=list(obj.allowed_models),
+            expires_at=obj.expires_at,
+            rpm=obj.rpm_limit,
+            tpm=obj.tpm_limit,
+            budget=obj.token_budget,
+            budget_period=obj.budget_period,
+        )
+        # The admin goes on with `obj` (history entry, redirect), so it becomes the stored row.
+        obj.pk = issued.api_key.pk
+        obj.prefix = issued.api_key.prefix
+        obj.key_hash = issued.api_key.key_hash
+        obj.created_at = issued.api_key.created_at
+        obj._state.adding = False
+        obj._state.db = issued.api_key._state.db
+        _issued[request] = issued.key
+
+    def response_add(
+        self, request: HttpRequest, obj: ApiKey, post_url_continue: str | None = None
+    ) -> HttpResponse:
+        key = _issued.pop(request, None)
+        if key is None:  # not minted here (cannot happen through the add form)
+            return super().response_add(request, obj, post_url_continue)
+        response = TemplateResponse(
+            request,
+            "admin/gateway/apikey/created.html",
+            {
+                **self.admin_site.each_context(request),
+                "title": "API key created",
+                "api_key": obj,
+                "key": key,
+                "opts": self.opts,
+            },
+        )
+        # Nothing between here and the browser may keep the page.
+        response["Cache-Control"] = "no-store"
+        return response
+
+    @admin.action(description="Revoke the selected keys", permissions=["change"])
+    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
+        done = [key.prefix for key in queryset if keys.revoke(key.pk)]
+        if done:
+            self.message_user(request, f"Revoked: {', '.join(done)}.", messages.SUCCESS)
+        else:
+            self.message_user(request, "Those keys were revoked already.", messages.INFO)
 
 
 @admin.register(Endpoint)
 class EndpointAdmin(admin.ModelAdmin[Endpoint]):
-    list_display = ["slug", "url", "model_names", "weight", "enabled"]
+    """Static upstreams. ``Endpoint.clean`` refuses link-local, metadata and non-http(s) URLs
+    unless ``allow_private_address`` is ticked, here and everywhere else a row is saved."""
+
+    list_display = ["slug", "url", "model_names", "weight", "enabled", "allow_private_address"]
     list_filter = ["enabled"]
+    search_fields = ["slug", "url"]
 
 
 @admin.register(UsageRecord)
 class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
+    """One row per request, read-only. The changelist's filters also filter the CSV export."""
+
     list_display = [
         "started_at",
         "model",
+        "user",
         "api_key",
         "status",
+        "stream",
         "prompt_tokens",
         "completion_tokens",
-        "finish_reason",
+        "ttft_ms",
         "duration_ms",
+        "finish_reason",
     ]
-    list_filter = ["model", "status", "finish_reason"]
+    list_filter = [
+        ("api_key", admin.RelatedOnlyFieldListFilter),
+        ("user", admin.RelatedOnlyFieldListFilter),
+        "model",
+        "status",
+        "finish_reason",
+        "stream",
+    ]
+    list_select_related = ["api_key", "user"]
+    search_fields = ["request_id", "model"]
     date_hierarchy = "started_at"
+    # Counting every row on each page view is the slowest query on a large table.
+    show_full_result_count = False
 
-    def has_add_permission(self, request: object) -> bool:
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request: object, obj: object = None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: UsageRecord | None = None) -> bool:
         return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: UsageRecord | None = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[URLPattern]:
+        export = path(
+            "export.csv",
+            self.admin_site.admin_view(self.export_csv),
+            name="gateway_usagerecord_export",
+        )
+        return [export, *super().get_urls()]
+
+    def export_csv(self, request: HttpRequest) -> StreamingHttpResponse:
+        """The rows the changelist shows for the same query string, as CSV, streamed."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        rows = self.get_changelist_instance(request).get_queryset(request)
+        response = StreamingHttpResponse(reports.csv_lines(rows), content_type="text/csv")
+        response["Content-Disposition"] = 'attachment; filename="llmgw-usage.csv"'
+        return response

@@ -35,7 +35,8 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections
+from django.contrib.auth import get_user_model
+from django.db import DatabaseError, IntegrityError, close_old_connections, transaction
 
 from gateway.models import ApiKey, UsageRecord
 
@@ -99,12 +100,31 @@ def store_rows(records: Iterable[Usage]) -> int:
     rows = [r.to_row() for r in records]
     if not rows:
         return 0
-    UsageRecord.objects.bulk_create(rows, batch_size=BATCH, ignore_conflicts=True)
+    try:
+        with transaction.atomic():
+            UsageRecord.objects.bulk_create(rows, batch_size=BATCH, ignore_conflicts=True)
+    except IntegrityError:
+        # A key or user deleted while its requests were queued: keep the rows, as the
+        # foreign keys' SET_NULL would have, instead of failing the batch forever.
+        _forget_deleted_owners(rows)
+        UsageRecord.objects.bulk_create(rows, batch_size=BATCH, ignore_conflicts=True)
     keys = {r.api_key_id for r in rows if r.api_key_id is not None}
     if keys:
         # Coalesced here rather than written by each request.
         ApiKey.objects.filter(pk__in=keys).update(last_used_at=max(r.started_at for r in rows))
     return len(rows)
+
+
+def _forget_deleted_owners(rows: list[UsageRecord]) -> None:
+    key_ids = {r.api_key_id for r in rows if r.api_key_id is not None}
+    user_ids = {r.user_id for r in rows if r.user_id is not None}
+    live_keys = set(ApiKey.objects.filter(pk__in=key_ids).values_list("pk", flat=True))
+    live_users = set(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", flat=True))
+    for row in rows:
+        if row.api_key_id not in live_keys:
+            row.api_key_id = None
+        if row.user_id not in live_users:
+            row.user_id = None
 
 
 def interrupted(start: Usage, now: float) -> Usage:

@@ -1,0 +1,221 @@
+"""Usage reports: filtering usage rows, summing them by model/user/key/day, and CSV.
+
+Used by the admin's CSV export, the account page and ``manage.py usage_report``. Sums are
+computed by the database, so a report over millions of rows loads no rows into Python; the
+row-by-row CSV streams with ``iterator()`` for the same reason.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal, Protocol
+
+from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models.functions import Coalesce, TruncDate
+from django.utils import timezone
+
+from gateway.models import UsageRecord
+
+GroupBy = Literal["model", "user", "key", "day"]
+GROUPS: tuple[GroupBy, ...] = ("model", "user", "key", "day")
+
+_GROUP_FIELDS: dict[GroupBy, dict[str, Any]] = {
+    "model": {"group": F("model")},
+    "user": {"group": F("user__username")},
+    "key": {"group": F("api_key__prefix")},
+    "day": {"group": TruncDate("started_at")},
+}
+
+ROW_FIELDS = (
+    "request_id",
+    "started_at",
+    "user",
+    "api_key",
+    "model",
+    "endpoint",
+    "upstream",
+    "status",
+    "stream",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "ttft_ms",
+    "duration_ms",
+    "finish_reason",
+)
+SUMMARY_FIELDS = (
+    "group",
+    "requests",
+    "errors",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+)
+
+
+@dataclass(frozen=True)
+class UsageFilter:
+    since: datetime | None = None
+    until: datetime | None = None
+    user_id: int | None = None
+    username: str | None = None
+    api_key_id: int | None = None
+    key_prefix: str | None = None
+    model: str | None = None
+
+
+def usage(filter: UsageFilter) -> QuerySet[UsageRecord]:
+    rows = UsageRecord.objects.all()
+    if filter.since is not None:
+        rows = rows.filter(started_at__gte=filter.since)
+    if filter.until is not None:
+        rows = rows.filter(started_at__lt=filter.until)
+    if filter.user_id is not None:
+        rows = rows.filter(user_id=filter.user_id)
+    if filter.username is not None:
+        rows = rows.filter(user__username=filter.username)
+    if filter.api_key_id is not None:
+        rows = rows.filter(api_key_id=filter.api_key_id)
+    if filter.key_prefix is not None:
+        rows = rows.filter(api_key__prefix=filter.key_prefix)
+    if filter.model is not None:
+        rows = rows.filter(model=filter.model)
+    return rows
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    group: str
+    requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SUMMARY_FIELDS}
+
+
+def summarize(rows: QuerySet[UsageRecord], by: GroupBy) -> list[SummaryRow]:
+    """Requests, errors and tokens per group, largest token use first (days: oldest first)."""
+    grouped = (
+        rows.annotate(**_GROUP_FIELDS[by])
+        .values("group")
+        .annotate(
+            requests=Count("id"),
+            errors=Count("id", filter=Q(status__gte=400)),
+            prompt=Coalesce(Sum("prompt_tokens"), 0),
+            completion=Coalesce(Sum("completion_tokens"), 0),
+        )
+        .order_by()
+    )
+    out = [
+        SummaryRow(
+            group="(none)" if row["group"] is None else str(row["group"]),
+            requests=row["requests"],
+            errors=row["errors"],
+            prompt_tokens=row["prompt"],
+            completion_tokens=row["completion"],
+        )
+        for row in grouped
+    ]
+    if by == "day":
+        return sorted(out, key=lambda r: r.group)
+    return sorted(out, key=lambda r: (-r.total_tokens, -r.requests, r.group))
+
+
+def daily(rows: QuerySet[UsageRecord], days: int, now: datetime | None = None) -> list[SummaryRow]:
+    """One row per day of the last ``days`` days (UTC), zeros included, oldest first."""
+    today = timezone.localdate(now or timezone.now())
+    first = today - timedelta(days=days - 1)
+    start = timezone.make_aware(datetime.combine(first, datetime.min.time()))
+    found = {r.group: r for r in summarize(rows.filter(started_at__gte=start), "day")}
+    out = []
+    for offset in range(days):
+        day = (first + timedelta(days=offset)).isoformat()
+        out.append(found.get(day) or SummaryRow(day, 0, 0, 0, 0))
+    return out
+
+
+# --------------------------------------------------------------------------- CSV
+
+
+class _Writable(Protocol):
+    def write(self, text: str, /) -> Any: ...
+
+
+def _safe(value: object) -> object:
+    """Spreadsheet-safe: a text cell starting with = + - @ would run as a formula when the file
+    is opened, and model names and key names come from users."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+def _row_values(record: dict[str, Any]) -> list[object]:
+    started: datetime = record["started_at"]
+    return [
+        _safe(v)
+        for v in (
+            record["request_id"],
+            started.isoformat(),
+            record["user__username"] or "",
+            record["api_key__prefix"] or "",
+            record["model"],
+            record["endpoint"],
+            record["upstream"],
+            record["status"],
+            record["stream"],
+            record["prompt_tokens"],
+            record["completion_tokens"],
+            record["cached_tokens"],
+            "" if record["ttft_ms"] is None else round(record["ttft_ms"], 1),
+            round(record["duration_ms"], 1),
+            record["finish_reason"],
+        )
+    ]
+
+
+class _Line:
+    """A file-like that hands back what csv.writer wrote, for streaming responses."""
+
+    def write(self, text: str) -> str:
+        return text
+
+
+def csv_lines(rows: QuerySet[UsageRecord]) -> Iterator[str]:
+    """The rows as CSV, header first, one line at a time (for a streaming response)."""
+    writer = csv.writer(_Line())
+    yield writer.writerow(ROW_FIELDS)
+    values = rows.order_by("started_at", "id").values(
+        "request_id",
+        "started_at",
+        "user__username",
+        "api_key__prefix",
+        "model",
+        "endpoint",
+        "upstream",
+        "status",
+        "stream",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "ttft_ms",
+        "duration_ms",
+        "finish_reason",
+    )
+    for record in values.iterator(chunk_size=2000):
+        yield writer.writerow(_row_values(record))
+
+
+def write_summary_csv(rows: Iterable[SummaryRow], out: _Writable) -> None:
+    writer = csv.writer(out)
+    writer.writerow(SUMMARY_FIELDS)
+    for row in rows:
+        writer.writerow([_safe(v) for v in row.as_dict().values()])
