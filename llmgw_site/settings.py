@@ -156,7 +156,9 @@ else:
 # --- Celery (the reconciler's beat and worker) --------------------------------------------------
 
 _broker_dir = VAR_DIR / "broker"
-CELERY_BROKER_URL = REDIS_URL or "filesystem://"
+if not REDIS_URL:
+    (_broker_dir / "processed").mkdir(parents=True, exist_ok=True)
+CELERY_BROKER_URL = REDIS_URL or "filesystem://localhost/"
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = (
     {}
     if REDIS_URL
@@ -167,6 +169,8 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = (
         "data_folder_out": str(_broker_dir),
         "processed_folder": str(_broker_dir / "processed"),
         "store_processed": False,
+        # The reconciler ticks about every second; poll the folder often enough not to lag.
+        "polling_interval": 0.1,
     }
 )
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -177,6 +181,8 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_RESULT_BACKEND = None
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# Log through Django's LOGGING, where the per-task lines (one a second) are turned down.
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # --- llmgw's own knobs ------------------------------------------------------------------------
 
@@ -303,5 +309,7 @@ LOGGING = {
         # Access logs would carry full request lines; ours carry ids, never credentials.
         "django.channels.server": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
+        "celery.app.trace": {"level": "WARNING"},
+        "celery.beat": {"level": "WARNING"},
     },
 }

@@ -1,21 +1,36 @@
-"""`manage.py run` (what `make run` calls): llmgw on this machine, in one command.
+"""`manage.py run` (what `make run` calls): the whole of llmgw on this machine, one command.
 
 Migrates the store, makes sure an administrator exists (printing a new one's password once),
-then starts and supervises the web processes on one port until Ctrl-C.
+adds a demo model to an empty catalog, issues a fresh demo API key and a token for the local
+node, then starts and supervises the web processes (one port), the Celery worker and beat (the
+reconciler) and a local agent (real GPUs through NVML when present, simulated ones otherwise),
+until Ctrl-C stops them all.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import secrets
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import transaction
 
-from control import launcher
+from control import launcher, nodes
+from control.models import Event, Profile, ServedModel
+from gateway import keys
+from gateway.models import ApiKey
+
+DEMO_KEY_NAME = "make run demo"
+LOCAL_NODE = "local"
 
 
 def ensure_admin(username: str = "admin") -> str | None:
@@ -28,8 +43,104 @@ def ensure_admin(username: str = "admin") -> str | None:
     return password
 
 
+def ensure_demo_model() -> str:
+    """An empty catalog gets one scale-from-zero model on the simulated engine."""
+    existing = ServedModel.objects.filter(enabled=True).order_by("name").first()
+    if existing is not None:
+        return existing.name
+    with transaction.atomic():
+        profile, _ = Profile.objects.get_or_create(
+            name="sim-demo",
+            defaults={
+                "engine": "sim",
+                "args": ["--ttft-ms", "50", "--itl-ms", "20", "--output-tokens", "24"],
+                "gpus_per_shard": 1,
+                "startup_timeout_s": 60,
+            },
+        )
+        model = ServedModel.objects.create(
+            name="demo",
+            source="llmgw/demo",
+            default_profile=profile,
+            min_replicas=0,
+            max_replicas=1,
+            idle_timeout_s=300,
+            activation_timeout_s=60,
+        )
+        model.profiles.add(profile)
+        Event.objects.create(
+            kind=Event.Kind.OPERATOR,
+            subject="model/demo",
+            message="demo model added to an empty catalog by `manage.py run`",
+        )
+    return model.name
+
+
+def issue_demo_key(username: str) -> str:
+    """A fresh key for this run's curl line; the previous run's demo key is revoked."""
+    for key_id in ApiKey.objects.filter(name=DEMO_KEY_NAME, revoked_at__isnull=True).values_list(
+        "pk", flat=True
+    ):
+        keys.revoke(key_id)
+    return keys.issue(username, name=DEMO_KEY_NAME).key
+
+
+def write_secret(path: Path, value: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value + "\n")
+
+
+def has_nvidia_gpus() -> bool:
+    return shutil.which("nvidia-smi") is not None and importlib.util.find_spec("pynvml") is not None
+
+
+def agent_argv(control_plane: str, host: str, token_file: Path, agent_dir: Path) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "agents",
+        "--control-plane",
+        control_plane,
+        "--token-file",
+        str(token_file),
+        "--node",
+        LOCAL_NODE,
+        "--state-dir",
+        str(agent_dir / "state"),
+        "--weights-dir",
+        str(agent_dir / "weights"),
+        "--port-range",
+        "{}-{}".format(*settings.LLMGW_PORT_RANGE),
+    ]
+    if host in {"127.0.0.1", "localhost", "::1"}:
+        # A loopback control plane means a one-machine install: keep engines off the network.
+        argv += ["--advertise-address", "127.0.0.1", "--engine-host", "127.0.0.1"]
+    if not has_nvidia_gpus():
+        argv += ["--simulate-gpus", "2x80GiB"]
+    return argv
+
+
+def celery_argv(*args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "--quiet",
+        "-A",
+        "llmgw_site",
+        *args,
+        "--loglevel",
+        "warning",
+    ]
+
+
 class Command(BaseCommand):
-    help = "Start llmgw on this machine: migrate, create an admin if needed, serve until Ctrl-C."
+    help = (
+        "Start llmgw on this machine: migrate, make an admin if needed, then run the web "
+        "processes, the reconciler (Celery worker and beat) and a local agent until Ctrl-C."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default=os.environ.get("LLMGW_HOST", "127.0.0.1"))
@@ -40,36 +151,77 @@ class Command(BaseCommand):
             default=int(os.environ.get("LLMGW_WEB_PROCESSES", str(os.cpu_count() or 1))),
             help="Daphne processes sharing the port (default: one per core).",
         )
+        parser.add_argument(
+            "--no-agent", action="store_true", help="Do not start a local agent on this machine."
+        )
 
-    def handle(self, *args: Any, host: str, port: int, web_processes: int, **options: Any) -> None:
+    def handle(
+        self, *args: Any, host: str, port: int, web_processes: int, no_agent: bool, **opts: Any
+    ) -> None:
         if web_processes < 1:
             raise CommandError("--web-processes must be at least 1")
         call_command("migrate", interactive=False, verbosity=0)
         password = ensure_admin()
+        admin_name = (
+            get_user_model()
+            .objects.filter(is_superuser=True)
+            .order_by("pk")
+            .values_list("username", flat=True)
+            .first()
+        )
+        assert admin_name is not None
+        demo_model = ensure_demo_model()
+        api_key = issue_demo_key(admin_name)
         try:
             listener = launcher.bind_listener(host, port)
         except OSError as exc:
             raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
         base = f"http://{host}:{port}"
+        env = dict(os.environ)
+        children = launcher.web_children(
+            listener, web_processes, access_log=settings.LLMGW_ACCESS_LOG
+        )
+        children.append(launcher.Child("worker", celery_argv("worker", "--pool", "solo"), env))
+        children.append(
+            launcher.Child(
+                "beat",
+                celery_argv("beat", "--schedule", str(settings.VAR_DIR / "celerybeat-schedule")),
+                env,
+            )
+        )
+        if not no_agent:
+            agent_dir = settings.VAR_DIR / "agent"
+            token_file = agent_dir / "token"
+            write_secret(token_file, nodes.issue_node_token(LOCAL_NODE))
+            agent_env = {k: v for k, v in env.items() if k not in {"DATABASE_URL", "SECRET_KEY"}}
+            children.append(
+                launcher.Child("agent", agent_argv(base, host, token_file, agent_dir), agent_env)
+            )
+
         backend = settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1]
-        self.stdout.write(f"llmgw {settings.LLMGW_VERSION} on {backend}")
-        self.stdout.write(f"  web processes: {web_processes} on {base}")
-        self.stdout.write(f"  health:        {base}/healthz")
-        self.stdout.write(f"  admin:         {base}/admin/")
+        gpus = "real GPUs (NVML)" if has_nvidia_gpus() else "2 simulated GPUs"
+        write = self.stdout.write
+        write(f"llmgw {settings.LLMGW_VERSION} on {backend}")
+        write(f"  web processes: {web_processes} on {base}  (+ reconciler worker and beat)")
+        if not no_agent:
+            write(f"  local agent:   node '{LOCAL_NODE}' with {gpus}")
+        write(f"  health:        {base}/healthz")
+        write(f"  admin:         {base}/admin/")
         if password:
-            self.stdout.write(
-                f"  admin user:    admin / {password}   (shown once; change it in the admin)"
+            write(
+                f"  admin user:    {admin_name} / {password}   (shown once; change it in the admin)"
             )
         else:
-            self.stdout.write(
-                "  admin user:    exists (its password was shown when it was created)"
-            )
-        self.stdout.write(f"  OpenAI base_url for clients: {base}/v1")
-        self.stdout.write("Ctrl-C stops everything.")
-        self.stdout.flush()
-
-        supervisor = launcher.Supervisor(
-            launcher.web_children(listener, web_processes, access_log=settings.LLMGW_ACCESS_LOG)
+            write(f"  admin user:    {admin_name} (its password was shown when it was created)")
+        write(f"  API key:       {api_key}   (new for this run; the previous demo key is revoked)")
+        write(f"  OpenAI base_url for clients: {base}/v1")
+        write("  try it (the first request starts the model, then it answers):")
+        body = json.dumps({"model": demo_model, "messages": [{"role": "user", "content": "Hello"}]})
+        write(
+            f"    curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
+            f"-H 'Content-Type: application/json' -d '{body}'"
         )
-        supervisor.run()
+        write("Ctrl-C stops everything.")
+        self.stdout.flush()
+        launcher.Supervisor(children).run()
