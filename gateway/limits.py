@@ -78,18 +78,21 @@ def period_bounds(period: str, now: float) -> tuple[float, float]:
 
 
 def counters_for(key: KeyInfo, tokens: int, now: float) -> tuple[Counter, ...]:
-    """The counters a request of ``tokens`` estimated tokens takes from (pure)."""
+    """The counters a request of ``tokens`` estimated tokens takes from (pure). Named by the
+    key's prefix, which is random, so counters never outlive a key into a different one."""
     minute = int(now // 60)
     minute_end = (minute + 1) * 60.0
     counters = []
     if key.rpm_limit is not None:
-        counters.append(Counter(f"rpm:{key.id}:{minute}", "rpm", key.rpm_limit, 1, minute_end))
+        counters.append(Counter(f"rpm:{key.prefix}:{minute}", "rpm", key.rpm_limit, 1, minute_end))
     if key.tpm_limit is not None:
-        counters.append(Counter(f"tpm:{key.id}:{minute}", "tpm", key.tpm_limit, tokens, minute_end))
+        counters.append(
+            Counter(f"tpm:{key.prefix}:{minute}", "tpm", key.tpm_limit, tokens, minute_end)
+        )
     if key.token_budget is not None:
         start, end = period_bounds(key.budget_period, now)
         counters.append(
-            Counter(f"budget:{key.id}:{int(start)}", "budget", key.token_budget, tokens, end)
+            Counter(f"budget:{key.prefix}:{int(start)}", "budget", key.token_budget, tokens, end)
         )
     return tuple(counters)
 

@@ -16,7 +16,9 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from control.routing import websocket_urlpatterns  # noqa: E402
-from gateway.asgi import GatewayHandler, by_path  # noqa: E402
+from gateway.asgi import GatewayHandler, by_path, install_daphne_body_limit  # noqa: E402
+
+install_daphne_body_limit()
 
 application = ProtocolTypeRouter(
     {

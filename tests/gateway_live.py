@@ -79,7 +79,7 @@ class Proc:
             self.args, env=self.env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT
         )
         handle.close()
-        wait_until(lambda: self._alive_and_listening(), timeout)
+        wait_until(self._alive_and_listening, timeout)
         return self
 
     def _alive_and_listening(self) -> bool:

@@ -132,8 +132,10 @@ def test_stream_that_asked_for_usage_gets_the_chunk_once(stack: Any) -> None:
     with_usage = [c for c in chunks if c.usage is not None]
     assert len(with_usage) == 1 and with_usage[0].choices == []
     (row,) = wait_for_rows(api_key, 1)
-    assert row.completion_tokens == with_usage[0].usage.completion_tokens == 3
-    assert row.prompt_tokens == with_usage[0].usage.prompt_tokens
+    reported = with_usage[0].usage
+    assert reported is not None
+    assert row.completion_tokens == reported.completion_tokens == 3
+    assert row.prompt_tokens == reported.prompt_tokens
 
 
 def test_usage_reported_on_every_chunk_is_counted_once(stack: Any) -> None:
@@ -187,8 +189,10 @@ def test_completions_embeddings_and_responses_go_through(stack: Any) -> None:
     assert by_endpoint[("embeddings", False)].prompt_tokens == vectors.usage.prompt_tokens
     assert by_endpoint[("responses", False)].completion_tokens == 3
     streamed_response = by_endpoint[("responses", True)]
-    assert streamed_response.completion_tokens == completed[0].response.usage.output_tokens
-    assert streamed_response.prompt_tokens == completed[0].response.usage.input_tokens
+    final_usage = completed[0].response.usage
+    assert final_usage is not None
+    assert streamed_response.completion_tokens == final_usage.output_tokens
+    assert streamed_response.prompt_tokens == final_usage.input_tokens
 
 
 def test_recorded_tokens_equal_what_the_engines_reported(stack: Any) -> None:
@@ -230,7 +234,7 @@ def test_error_statuses_surface_as_the_clients_exception_classes(stack: Any) -> 
     narrow, _ = make_key(models=["chat-b"])
     limited, _ = make_key(rpm=1)
     serving(web, key, "chat-a", sim_a)
-    message = [{"role": "user", "content": "hi"}]
+    message: Any = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.AuthenticationError) as auth:
         client(web, "llmgw-" + "x" * 43).chat.completions.create(model="chat-a", messages=message)
     assert auth.value.code == "invalid_api_key"
@@ -291,7 +295,7 @@ def test_bad_keys_get_401_without_reaching_an_engine_or_echoing_the_key(stack: A
 def test_a_key_cannot_read_another_keys_usage(stack: Any) -> None:
     """G3: B's prefix through A's key is 404 — the same answer as for no key at all."""
     web, sim_a, _ = stack
-    key_a, row_a = make_key("alice")
+    key_a, _ = make_key("alice")
     key_b, row_b = make_key("bob", budget=1000)
     serving(web, key_a, "chat-a", sim_a)
     client(web, key_b).chat.completions.create(
