@@ -104,11 +104,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_run_starts_web_processes_on_one_port_and_stops_them_all(tmp_path: Any) -> None:
+def test_run_starts_every_process_on_one_port_and_stops_them_all(tmp_path: Any) -> None:
     """`manage.py run` on a fresh embedded store: migrates, prints an admin password once,
-    serves /healthz from several processes on one port, and Ctrl-C leaves nothing running."""
+    serves /healthz from two web processes on one port beside the worker, beat and local
+    agent, and Ctrl-C leaves nothing running."""
     port = free_port()
-    env = child_env(LLMGW_VAR_DIR=str(tmp_path), LLMGW_WEB_PROCESSES="2")
+    env = child_env(
+        LLMGW_VAR_DIR=str(tmp_path), LLMGW_WEB_PROCESSES="2", LLMGW_PORT_RANGE="23900-23949"
+    )
     env["DATABASE_URL"] = f"sqlite:///{tmp_path / 'run.sqlite3'}"
     command = [sys.executable, "manage.py", "run", "--port", str(port)]
     process = subprocess.Popen(
@@ -130,7 +133,7 @@ def test_run_starts_web_processes_on_one_port_and_stops_them_all(tmp_path: Any) 
             ["pgrep", "-P", str(process.pid)], capture_output=True, text=True, check=False
         ).stdout.split()
         pids = set(children)
-        assert len(pids) == 2, children
+        assert len(pids) == 5, children  # 2 web, worker, beat, agent
     finally:
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=30)
@@ -150,4 +153,4 @@ def test_run_starts_web_processes_on_one_port_and_stops_them_all(tmp_path: Any) 
         output += second.stdout.readline()
     second.send_signal(signal.SIGINT)
     output += second.communicate(timeout=30)[0]
-    assert "admin user:    exists" in output, output
+    assert "admin user:    admin (its password was shown when it was created)" in output, output
