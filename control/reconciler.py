@@ -572,11 +572,21 @@ class Reconciler:
                 logger.info("a tick is already running on this host; skipping")
                 return TickResult(acted=False)
             close_old_connections()
+            started = time.monotonic()
             self.leadership = leases.claim(previous=self.leadership)
             if not self.leadership.may_act():
+                logger.debug("tick: follower (epoch %s)", self.leadership.epoch)
                 return TickResult(acted=False, epoch=self.leadership.epoch)
             try:
-                return tick(self.leadership)
+                result = tick(self.leadership)
+                logger.debug(
+                    "tick: leader epoch %s, %s placed, %s changed, %.0f ms",
+                    result.epoch,
+                    result.placed,
+                    result.changed,
+                    (time.monotonic() - started) * 1000,
+                )
+                return result
             except LeadershipLost as exc:
                 logger.warning("lost leadership mid-tick; remaining writes dropped: %s", exc)
                 return TickResult(acted=True, epoch=self.leadership.epoch, lost_leadership=True)

@@ -73,6 +73,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First and last, so django-prometheus times everything between (admin, account, metrics);
+    # /v1 has its own handler and metrics (llmgw_site.metrics).
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -80,6 +83,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
 ]
 
 ROOT_URLCONF = "llmgw_site.urls"
@@ -127,6 +131,17 @@ elif _database["ENGINE"] in {
 }:
     _database["ENGINE"] = "django.db.backends.postgresql"
     _database["CONN_HEALTH_CHECKS"] = True
+    # A store that stops answering must fail calls, not hang them: a leader cut off from the
+    # database has to notice within its renew deadline, and a web process must answer 503.
+    _database["OPTIONS"] = {
+        "connect_timeout": _read(env_int, "LLMGW_DB_CONNECT_TIMEOUT", 5, minimum=1),
+        "keepalives": 1,
+        "keepalives_idle": 5,
+        "keepalives_interval": 2,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 10_000,
+        **_database.get("OPTIONS", {}),
+    }
 else:
     _errors.append(f"DATABASE_URL uses {_database['ENGINE']}; llmgw supports sqlite and postgres")
 
@@ -246,6 +261,20 @@ LLMGW_USAGE_JOURNAL_DIR = Path(env_str(ENV, "LLMGW_USAGE_JOURNAL_DIR", str(VAR_D
 # SSE comments sent to a stream while it waits for a cold model, so proxies keep it open.
 LLMGW_KEEPALIVE_INTERVAL: float = _read(env_float, "LLMGW_KEEPALIVE_INTERVAL", 5.0, minimum=0.05)
 
+# --- metrics (llmgw_site.metrics) ------------------------------------------------------------
+# /metrics answers only "Authorization: Bearer <this>"; unset (the default) turns it off.
+LLMGW_METRICS_TOKEN: str = env_str(ENV, "LLMGW_METRICS_TOKEN", "")
+# Multiprocess mode: each web process writes its samples under this folder and any of them
+# sums all. prometheus_client decides at import time, so it must be in the environment before
+# anything imports it; settings load first, and child processes inherit it.
+PROMETHEUS_MULTIPROC_DIR = Path(
+    env_str(ENV, "PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "prometheus"))
+)
+PROMETHEUS_MULTIPROC_DIR.mkdir(parents=True, exist_ok=True)
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(PROMETHEUS_MULTIPROC_DIR)
+# django-prometheus would query the database while apps load; the fleet gauges cover it.
+PROMETHEUS_EXPORT_MIGRATIONS = False
+
 if LLMGW_LEASE_RENEW_DEADLINE >= LLMGW_LEASE_TTL:
     _errors.append(
         f"LLMGW_LEASE_RENEW_DEADLINE ({LLMGW_LEASE_RENEW_DEADLINE:g}s) must be shorter than "
@@ -306,6 +335,12 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str(ENV, "LLMGW_LOG_LEVEL", "INFO").upper()},
     "loggers": {
+        # LLMGW_DEBUG_LOGGERS=control.reconciler,gateway.proxy turns up one subsystem at a time.
+        **{
+            name: {"level": "DEBUG"}
+            for name in env_str(ENV, "LLMGW_DEBUG_LOGGERS", "").split(",")
+            if name.strip()
+        },
         # Access logs would carry full request lines; ours carry ids, never credentials.
         "django.channels.server": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
