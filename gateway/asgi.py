@@ -19,6 +19,7 @@ import contextlib
 import time
 from typing import Any
 
+from daphne.http_protocol import WebRequest
 from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler, ASGIRequest
 from django.core.handlers.exception import convert_exception_to_response
@@ -227,10 +228,6 @@ def install_daphne_body_limit() -> None:
     answers 413 at once for a declared length and mid-upload for a chunked one, and memory
     stays bounded either way. Other paths (the admin) keep daphne's own behaviour.
     """
-    try:
-        from daphne.http_protocol import WebRequest
-    except ImportError:  # another ASGI server: GatewayHandler's own check applies
-        return
     if getattr(WebRequest, "_llmgw_body_limit", False):
         return
     got_length = WebRequest.gotLength
