@@ -91,6 +91,20 @@ _RECIPES: Final[dict[Engine, tuple[str, ...]]] = {
     ),
 }
 
+# llama-cpp-python's server has no /health; a profile left at the generic default would never
+# become ready, so its model list (answered once the model is loaded) stands in.
+_DEFAULT_HEALTH_PATH: Final = "/health"
+_HEALTH_FALLBACK: Final[dict[Engine, str]] = {Engine.LLAMACPP: "/v1/models"}
+
+
+def health_path(shard: DesiredShard) -> str:
+    """Where readiness is polled: the profile's path, or the engine's own where the generic
+    default does not exist."""
+    if shard.health_path == _DEFAULT_HEALTH_PATH:
+        return _HEALTH_FALLBACK.get(shard.engine, _DEFAULT_HEALTH_PATH)
+    return shard.health_path
+
+
 _PLACEHOLDER: Final = re.compile(r"\{([A-Za-z_]+)\}")
 
 

@@ -37,6 +37,7 @@ from agents.engines import (
     LaunchContext,
     RecipeError,
     classify_failure,
+    health_path,
     launch,
     parse_load,
     source_path,
@@ -464,7 +465,7 @@ class Supervisor:
                 self._fail(
                     rt,
                     FailureClass.HEALTH_TIMEOUT,
-                    f"not healthy at {rt.spec.health_path} within the start-up timeout "
+                    f"not healthy at {health_path(rt.spec)} within the start-up timeout "
                     f"({rt.spec.startup_timeout_s:g}s)",
                 )
                 return False
@@ -539,7 +540,7 @@ class Supervisor:
 
     async def _healthy(self, rt: ShardRuntime) -> bool:
         try:
-            response = await self._http.get(self._url(rt, rt.spec.health_path))
+            response = await self._http.get(self._url(rt, health_path(rt.spec)))
         except httpx.HTTPError:
             return False
         return response.status_code == 200
