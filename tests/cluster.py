@@ -11,6 +11,7 @@ promises: no GPU given to two shards, no model above its replica count.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -83,7 +84,7 @@ class Service:
 
     def start(self) -> Service:
         with self.log.open("ab") as handle:
-            self.process = subprocess.Popen(  # noqa: S603
+            self.process = subprocess.Popen(
                 self.argv, env=self.env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT
             )
         return self
@@ -166,10 +167,8 @@ class TcpProxy:
             pass
         finally:
             for sock in (source, sink):
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def cut(self) -> None:
         """Reset every connection and refuse new ones until :meth:`restore`."""
@@ -382,10 +381,8 @@ class Cluster:
                 plane.proxy.close()
         for pid, _ in engine_processes():
             if self.node_of_port(_port_of(pid) or 0):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         if self.redis is not None:
             self.redis.stop()
 

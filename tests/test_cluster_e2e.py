@@ -8,7 +8,6 @@ L2, L3, L5, L11, C1–C6, N1/N4. The figures (failover times) are printed for th
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +22,8 @@ from tests.cluster import (
     Cluster,
     InvariantChecker,
     engine_processes,
-    lease_state,
     leader_worker,
+    lease_state,
     node_health,
     ready_replicas,
     shard_nodes,
