@@ -1,0 +1,69 @@
+"""``sim``: a simulated LLM engine that presents itself exactly as vLLM's OpenAI server does.
+
+It is the upstream for every llmgw test, demo and benchmark, and the engine the node agent
+starts where no GPU exists, so a gateway that works against it works against vLLM: the same
+paths, JSON shapes (vLLM 0.11: ``chatcmpl-``/``cmpl-``/``embd-`` ids, ``stop_reason``,
+``{"error": {...}}`` errors, FastAPI's ``{"detail": ...}`` for 404/405), the same SSE framing
+(a role chunk, one content delta per token, ``finish_reason`` on the last token's chunk, the
+``choices: []`` usage chunk before ``[DONE]`` under ``stream_options.include_usage``) and the
+same Prometheus names (``vllm:num_requests_running`` ...).
+
+Why a raw ``asyncio.Protocol`` HTTP/1.1 server and no framework: the benchmark measures what
+llmgw adds over calling the engine directly, so the engine must be far faster than llmgw.
+Instant requests are answered inside ``data_received`` without creating a task; only paced,
+queued or faulty requests get one. Measured on the shared 2-core development VM (CPython 3.11,
+default event loop, no uvloop), the server pinned to one core and ``wrk -t1 -c32`` (keep-alive,
+one request in flight per connection) on the other: up to 14,500 non-streamed chat completions
+per second, the server spending 57-65 us of CPU on each (15,000-17,500/s for a whole core), and
+up to 12,500 streamed ones per second (16 tokens and the usage chunk; 70-115 us of CPU each).
+Wall-clock rates swung from 6,800/s to 14,500/s with other builds on the machine; the CPU time
+per request is the steady figure.
+
+Token accounting is a pure function of the request, so tests can predict it: a prompt costs
+its whitespace-separated words plus ``MESSAGE_OVERHEAD_TOKENS`` per chat message; the output
+is ``max_completion_tokens``/``max_tokens`` when given (finish ``length``) else
+``--output-tokens`` (finish ``stop``), cut by ``--max-model-len``; token *i* is the text
+``tok<i>``. The ``/metrics`` counters add up exactly what the usage objects of successful
+requests reported (they count a request once its last byte is written); cancelled and failed
+requests are counted apart (``sim:request_cancelled_total``, ``sim:request_failed_total``).
+
+Faults come from the command line (``--fail-rate``, ``--hang-rate``, ``--crash-after``), from a
+``"sim": {...}`` object in a request body (``fail``, ``retry_after``, ``hang``,
+``fail_after_tokens``, ``ttft_ms``, ``itl_ms``, ``output_tokens``, ``cached_tokens``,
+``crash``) and from ``POST /sim/faults`` (the same keys, plus ``times``) for tests that cannot
+change the body. Standard library only; uvloop is used where it happens to be importable.
+
+Modules: ``wire`` (shapes and token arithmetic), ``http1`` (the HTTP/1.1 connection),
+``engine`` (routes, validation, pacing, queueing, faults, metrics), ``cli`` (the process).
+"""
+
+from agents.sim.cli import main
+from agents.sim.engine import CRASH_EXIT_CODE, SimConfig, SimServer, SimStats, SimThread, serve
+from agents.sim.wire import (
+    MESSAGE_OVERHEAD_TOKENS,
+    Faults,
+    count_chat_prompt_tokens,
+    count_responses_input_tokens,
+    count_text_tokens,
+    embedding_vector,
+    generated_text,
+    token_text,
+)
+
+__all__ = [
+    "CRASH_EXIT_CODE",
+    "MESSAGE_OVERHEAD_TOKENS",
+    "Faults",
+    "SimConfig",
+    "SimServer",
+    "SimStats",
+    "SimThread",
+    "count_chat_prompt_tokens",
+    "count_responses_input_tokens",
+    "count_text_tokens",
+    "embedding_vector",
+    "generated_text",
+    "main",
+    "serve",
+    "token_text",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from agents.sim.cli import main
+
+sys.exit(main())
