@@ -251,3 +251,12 @@ def set_sim_faults(sim: Proc, times: int | None = None, **faults: Any) -> None:
         payload["times"] = times
     status, _, body = http("POST", sim.url + "/sim/faults", body=json.dumps(payload).encode())
     assert status == 200, body
+
+
+def close_db_thread() -> None:
+    """Close the connection ``sync_to_async`` opened in its database thread, so the test
+    database can be dropped at the end of the run (PostgreSQL refuses while one is open)."""
+    from asgiref.sync import SyncToAsync
+    from django.db import connections
+
+    SyncToAsync.single_thread_executor.submit(connections.close_all).result()

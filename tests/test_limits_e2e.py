@@ -47,7 +47,12 @@ def test_two_web_processes_let_through_exactly_the_keys_rpm(tmp_path: Path, coun
         key, api_key = make_key(rpm=10)
         serve_model("lim", [sim.port])
         for web in webs:
-            wait_until(lambda web=web: b'"lim"' in http("GET", web.url + "/v1/models", key=key)[2])
+            models_url = web.url + "/v1/models"
+
+            def listed(url: str = models_url) -> bool:
+                return b'"lim"' in http("GET", url, key=key)[2]
+
+            wait_until(listed)
         body = json.dumps(
             {"model": "lim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
         ).encode()

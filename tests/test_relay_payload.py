@@ -1,0 +1,172 @@
+"""What the relay reads from bodies (``gateway.payload``): pure functions over bytes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway import payload
+from gateway.errors import ApiError
+
+
+def inspect(body: object, kind: str = "chat") -> payload.Inspected:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return payload.inspect(raw, kind, max_items=100)
+
+
+def test_a_plain_request_is_forwarded_byte_for_byte() -> None:
+    raw = b'{"model": "m",  "messages": [{"role":"user","content":"\\u00e9"}], "extra": [1]}'
+    seen = payload.inspect(raw, "chat", max_items=100)
+    assert seen.forward_body is raw
+    assert (seen.model, seen.stream, seen.n, seen.max_tokens) == ("m", False, 1, None)
+
+
+def test_a_stream_without_stream_options_gets_include_usage_spliced_in() -> None:
+    raw = b' {"model":"m","stream":true,"messages":[]}'
+    seen = payload.inspect(raw, "chat", max_items=100)
+    assert not seen.client_wants_usage and seen.usage_added
+    forwarded = json.loads(seen.forward_body)
+    assert forwarded["stream_options"] == {"include_usage": True}
+    # Everything the client sent is still there, unchanged.
+    assert seen.forward_body.endswith(raw[raw.index(b"{") + 1 :])
+
+
+def test_a_stream_with_its_own_options_keeps_them_and_adds_include_usage() -> None:
+    seen = inspect({"model": "m", "stream": True, "stream_options": {"continuous": 1}})
+    assert json.loads(seen.forward_body)["stream_options"] == {
+        "continuous": 1,
+        "include_usage": True,
+    }
+
+
+def test_a_client_that_asked_for_usage_is_forwarded_as_is() -> None:
+    raw = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True}})
+    seen = payload.inspect(raw.encode(), "chat", max_items=100)
+    assert seen.client_wants_usage and not seen.usage_added
+    assert seen.forward_body == raw.encode()
+
+
+def test_responses_streams_are_not_given_stream_options() -> None:
+    seen = inspect({"model": "m", "stream": True, "input": "x"}, "responses")
+    assert b"stream_options" not in seen.forward_body
+
+
+def test_an_alias_is_rewritten_to_the_served_name_keeping_include_usage() -> None:
+    seen = inspect({"model": "alias", "stream": True, "messages": []}).for_model("real")
+    forwarded = json.loads(seen.forward_body)
+    assert forwarded["model"] == "real"
+    assert forwarded["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "model"),
+        ({"model": 1}, "model"),
+        ({"model": "m", "stream": 1}, "stream"),
+        ({"model": "m", "max_tokens": 1.0}, "max_tokens"),
+        ({"model": "m", "max_completion_tokens": False}, "max_completion_tokens"),
+        ({"model": "m", "n": "2"}, "n"),
+        ({"model": "m", "stream_options": []}, "stream_options"),
+        ({"model": "m", "messages": [{}] * 101}, "messages"),
+    ],
+)
+def test_wrong_types_name_the_field(body: dict[str, object], param: str) -> None:
+    with pytest.raises(ApiError) as error:
+        inspect(body)
+    assert error.value.status == 400 and error.value.param == param
+
+
+@pytest.mark.parametrize("raw", [b"", b"[1]", b"{", b"\xff\xfe", b"[" * 50_000 + b"]" * 50_000])
+def test_bodies_that_are_not_a_json_object_are_400(raw: bytes) -> None:
+    with pytest.raises(ApiError) as error:
+        inspect(raw)
+    assert error.value.status == 400
+
+
+def test_embeddings_cannot_stream() -> None:
+    with pytest.raises(ApiError) as error:
+        inspect({"model": "m", "stream": True, "input": "x"}, "embeddings")
+    assert error.value.param == "stream"
+
+
+def test_usage_is_read_from_the_end_of_a_large_body() -> None:
+    body = json.dumps(
+        {
+            "data": [{"embedding": [0.5] * 5000, "text": '"usage": {"prompt_tokens": 999}'}],
+            "usage": {"prompt_tokens": 7, "total_tokens": 7},
+        }
+    ).encode()
+    tokens, _ = payload.usage_of_body(body)
+    assert tokens == payload.Tokens(prompt=7)
+
+
+def test_usage_and_finish_of_a_chat_completion() -> None:
+    body = json.dumps(
+        {
+            "choices": [{"finish_reason": "length"}],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": 4,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            },
+        }
+    ).encode()
+    assert payload.usage_of_body(body) == (payload.Tokens(3, 4, 2), "length")
+
+
+def event(data: object) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+def test_the_extra_usage_chunk_is_hidden_and_counted() -> None:
+    sse = payload.SseFilter(hide_usage_chunk=True)
+    first = event({"choices": [{"delta": {"content": "a"}}]})
+    last = event({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+    usage = event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+    stream = first + last + usage + b"data: [DONE]\n\n"
+    # Fed in awkward pieces: events split across chunks still come out whole.
+    out = b"".join(sse.feed(stream[i : i + 7]) for i in range(0, len(stream), 7))
+    assert out == first + last + b"data: [DONE]\n\n"
+    assert sse.tokens == payload.Tokens(5, 2) and sse.finish_reason == "stop"
+    assert sse.rest() == b""
+
+
+def test_the_usage_chunk_is_kept_for_a_client_that_asked() -> None:
+    sse = payload.SseFilter(hide_usage_chunk=False)
+    usage = event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+    assert sse.feed(usage) == usage
+    assert sse.tokens == payload.Tokens(5, 2)
+
+
+def test_usage_on_every_chunk_counts_the_last_not_the_sum() -> None:
+    sse = payload.SseFilter(hide_usage_chunk=False)
+    for i in range(1, 5):
+        sse.feed(
+            event(
+                {
+                    "choices": [{"delta": {"content": "x"}}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": i},
+                }
+            )
+        )
+    assert sse.tokens == payload.Tokens(3, 4)
+
+
+def test_responses_usage_comes_from_the_final_response_event() -> None:
+    sse = payload.SseFilter(hide_usage_chunk=False)
+    sse.feed(b"event: response.output_text.delta\n" + event({"delta": "x"}))
+    sse.feed(
+        b"event: response.incomplete\n"
+        + event(
+            {
+                "type": "response.incomplete",
+                "response": {
+                    "status": "incomplete",
+                    "usage": {"input_tokens": 9, "output_tokens": 4},
+                },
+            }
+        )
+    )
+    assert sse.tokens == payload.Tokens(9, 4) and sse.finish_reason == "length"
