@@ -1,16 +1,93 @@
-"""The control plane in the Django admin. Operators edit desired state; observed state is
-read-only here because only agents and the reconciler may write it."""
+"""The control plane in the Django admin, which is the operations console.
+
+Operators edit desired state (the catalog, node labels, which weights to remove); observed
+state (what agents and the reconciler write) is read-only here. Changes with consequences
+(cordon, drain, undrain, restart, node tokens) are actions that call one domain function each
+(``control.operations``, ``control.nodes``), which records an Event and tells the agents.
+
+The admin index is the cluster dashboard (``templates/admin/index.html``); its data comes
+from :func:`dashboard_data`, polled by the page.
+"""
 
 from __future__ import annotations
 
-from django.contrib import admin
+from typing import Any, TypeVar
 
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import Count, Q, QuerySet
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.template.response import TemplateResponse
+
+from agents.protocol import valid_weights_name
+from control import catalog, dashboard, nodes, operations
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
+
+_Record = TypeVar("_Record", Lease, Event)
+
+admin.site.site_header = "llmgw"
+admin.site.site_title = "llmgw"
+admin.site.index_title = "Cluster"
+
+
+def actor(request: HttpRequest) -> str:
+    """Who did it, for the audit trail."""
+    return f"admin:{request.user.get_username()}"
+
+
+# --------------------------------------------------------------------------- the dashboard
+
+
+def dashboard_data(request: HttpRequest) -> JsonResponse:
+    """The dashboard's JSON. Staff only: 401 without a session, 403 for non-staff users.
+
+    Answers with a status (not a redirect to the login page) because a script reads it: the
+    page shows "signed out" instead of trying to parse a login form.
+    """
+    user = request.user
+    if not user.is_authenticated:
+        return JsonResponse({"error": "not signed in"}, status=401)
+    if not (user.is_active and user.is_staff):
+        return JsonResponse({"error": "staff only"}, status=403)
+    response = JsonResponse(dashboard.snapshot())
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+# --------------------------------------------------------------------------- the catalog
+
+
+class ProfileForm(forms.ModelForm[Profile]):
+    class Meta:
+        model = Profile
+        fields = [f.name for f in Profile._meta.concrete_fields if f.editable and f.name != "id"]
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        assert data is not None
+        problems = catalog.wire_problems(
+            args=data.get("args", []),
+            env=data.get("env", {}),
+            health_path=data.get("health_path", "/health"),
+            gpu_selector=data.get("gpu_selector", {}),
+        )
+        for field, message in problems.items():
+            if field in self.fields:
+                self.add_error(field, message)
+        return data
 
 
 @admin.register(Profile)
 class ProfileAdmin(admin.ModelAdmin[Profile]):
-    list_display = ["name", "engine", "gpus_per_shard", "shards_per_replica", "gpu_memory_mib"]
+    form = ProfileForm
+    list_display = [
+        "name",
+        "engine",
+        "gpus_per_shard",
+        "shards_per_replica",
+        "gpu_memory_mib",
+        "placement_strategy",
+    ]
     list_filter = ["engine"]
     search_fields = ["name"]
 
@@ -22,21 +99,80 @@ class ServedModelAdmin(admin.ModelAdmin[ServedModel]):
         "default_profile",
         "min_replicas",
         "max_replicas",
+        "replicas_ready",
         "idle_timeout_s",
         "pinned",
         "enabled",
-        "last_request_at",
+        "pending_because",
     ]
     list_filter = ["enabled", "pinned"]
-    search_fields = ["name", "source"]
+    search_fields = ["name", "source", "aliases"]
     filter_horizontal = ["profiles"]
-    readonly_fields = ["created_at", "last_request_at", "demand_at"]
+    readonly_fields = ["created_at", "last_request_at", "demand_at", "placement_note"]
+    fieldsets = [
+        (None, {"fields": ["name", "aliases", "source", "enabled"]}),
+        ("How it runs", {"fields": ["default_profile", "profiles"]}),
+        (
+            "Scaling",
+            {
+                "fields": [
+                    "min_replicas",
+                    "max_replicas",
+                    "idle_timeout_s",
+                    "pinned",
+                    "activation_timeout_s",
+                    "max_waiting",
+                ]
+            },
+        ),
+        (
+            "Deadlines (empty: the gateway's defaults)",
+            {"fields": ["connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s"]},
+        ),
+        (
+            "Observed",
+            {"fields": ["placement_note", "last_request_at", "demand_at", "created_at"]},
+        ),
+    ]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ServedModel]:
+        running = Q(replicas__desired=Replica.Desired.RUNNING)
+        return (
+            super()
+            .get_queryset(request)
+            .select_related("default_profile")
+            .annotate(
+                n_desired=Count("replicas", filter=running),
+                n_ready=Count(
+                    "replicas", filter=running & Q(replicas__observed=Replica.Observed.READY)
+                ),
+            )
+        )
+
+    @admin.display(description="ready / desired")
+    def replicas_ready(self, obj: ServedModel) -> str:
+        return f"{getattr(obj, 'n_ready', 0)} / {getattr(obj, 'n_desired', 0)}"
+
+    @admin.display(description="pending because")
+    def pending_because(self, obj: ServedModel) -> str:
+        return obj.placement_note or "—"
+
+
+# --------------------------------------------------------------------------- nodes
 
 
 class GpuInline(admin.TabularInline[Gpu, Node]):
     model = Gpu
     extra = 0
     can_delete = False
+    fields = [
+        "index",
+        "uuid",
+        "model",
+        "memory_total_mib",
+        "memory_used_mib",
+        "updated_at",
+    ]
     readonly_fields = [
         "index",
         "uuid",
@@ -46,31 +182,158 @@ class GpuInline(admin.TabularInline[Gpu, Node]):
         "updated_at",
     ]
 
-    def has_add_permission(self, request: object, obj: object = None) -> bool:
+    def has_add_permission(self, request: HttpRequest, obj: Node | None = None) -> bool:
         return False
+
+
+class NodeForm(forms.ModelForm[Node]):
+    class Meta:
+        model = Node
+        fields = ["name", "addresses", "labels", "remove_weights"]
+
+    def clean_remove_weights(self) -> list[str]:
+        names = self.cleaned_data.get("remove_weights") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise forms.ValidationError('A list of weight folder names, e.g. ["llama-3-8b"].')
+        bad = [n for n in names if not valid_weights_name(n)]
+        if bad:
+            raise forms.ValidationError(
+                f"Not a relative path inside the weights directory: {', '.join(bad)}"
+            )
+        return names
+
+    def clean_labels(self) -> dict[str, str]:
+        labels = self.cleaned_data.get("labels") or {}
+        if not isinstance(labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
+            raise forms.ValidationError('Labels map names to strings, e.g. {"gpu": "h100"}.')
+        return labels
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin[Node]):
-    list_display = ["name", "state", "schedule", "health", "last_heartbeat_at", "agent_version"]
+    form = NodeForm
+    list_display = [
+        "name",
+        "state",
+        "schedule",
+        "health",
+        "gpu_count",
+        "last_heartbeat_at",
+        "agent_version",
+        "token_prefix",
+    ]
     list_filter = ["schedule", "health"]
     search_fields = ["name"]
     inlines = [GpuInline]
+    actions = ["cordon", "drain", "undrain", "issue_token", "revoke_token"]
     readonly_fields = [
+        "schedule",
         "health",
         "last_heartbeat_at",
         "agent_version",
         "boot_id",
         "token_prefix",
         "token_issued_at",
+        "desired_revision",
+        "observed_revision",
+        "port_min",
+        "port_max",
+        "weights_report",
+        "stale_desired_rejected",
         "created_at",
     ]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Node]:
+        return super().get_queryset(request).annotate(n_gpus=Count("gpus"))
+
+    @admin.display(description="GPUs")
+    def gpu_count(self, obj: Node) -> int:
+        return int(getattr(obj, "n_gpus", 0))
+
+    def save_model(self, request: HttpRequest, obj: Node, form: Any, change: bool) -> None:
+        # The admin wraps this in a transaction; the nudge goes out after it commits.
+        super().save_model(request, obj, form, change)
+        if change and "remove_weights" in form.changed_data:
+            nodes.nudge_node(obj.pk)
+
+    def _each(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet[Node],
+        verb: str,
+        change: Any,
+    ) -> None:
+        done = [node.name for node in queryset if change(node.pk, actor=actor(request))]
+        if done:
+            self.message_user(request, f"{verb}: {', '.join(done)}.", messages.SUCCESS)
+        else:
+            self.message_user(request, f"Nothing to do: already {verb}.", messages.INFO)
+
+    @admin.action(description="Cordon: no new placements", permissions=["change"])
+    def cordon(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        self._each(request, queryset, "cordoned", operations.cordon_node)
+
+    @admin.action(description="Drain: move replicas away", permissions=["change"])
+    def drain(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        self._each(request, queryset, "draining", operations.drain_node)
+
+    @admin.action(description="Undrain: schedulable again", permissions=["change"])
+    def undrain(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        self._each(request, queryset, "active", operations.undrain_node)
+
+    @admin.action(description="Issue a new node token (shown once)", permissions=["change"])
+    def issue_token(self, request: HttpRequest, queryset: QuerySet[Node]) -> HttpResponse | None:
+        if queryset.count() != 1:
+            self.message_user(request, "Issue tokens one node at a time.", messages.ERROR)
+            return None
+        node = queryset.get()
+        token = nodes.issue_node_token(node.name)
+        # Rendered into this response only: the token is stored nowhere but the agent's host.
+        response = TemplateResponse(
+            request,
+            "admin/control/node/token_issued.html",
+            {
+                **self.admin_site.each_context(request),
+                "title": f"Node token for {node.name}",
+                "node": node,
+                "token": token,
+                "opts": self.opts,
+            },
+        )
+        response["Cache-Control"] = "no-store"
+        return response
+
+    @admin.action(description="Revoke the node token", permissions=["change"])
+    def revoke_token(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        done = [node.name for node in queryset if nodes.revoke_node_token(node.name)]
+        if done:
+            self.message_user(request, f"Token revoked: {', '.join(done)}.", messages.SUCCESS)
+        else:
+            self.message_user(request, "No token to revoke.", messages.INFO)
+
+
+# --------------------------------------------------------------------------- what runs
 
 
 class ShardInline(admin.TabularInline[Shard, Replica]):
     model = Shard
     extra = 0
     can_delete = False
+    fields = [
+        "node",
+        "rank",
+        "gpu_indices",
+        "port",
+        "observed",
+        "exit_code",
+        "failure_class",
+        "message",
+        "requests_running",
+        "requests_waiting",
+        "updated_at",
+    ]
     readonly_fields = [
         "node",
         "rank",
@@ -79,57 +342,91 @@ class ShardInline(admin.TabularInline[Shard, Replica]):
         "observed",
         "exit_code",
         "failure_class",
-        "last_log",
+        "message",
+        "requests_running",
+        "requests_waiting",
         "updated_at",
     ]
 
-    def has_add_permission(self, request: object, obj: object = None) -> bool:
+    def has_add_permission(self, request: HttpRequest, obj: Replica | None = None) -> bool:
         return False
 
 
 @admin.register(Replica)
 class ReplicaAdmin(admin.ModelAdmin[Replica]):
-    list_display = ["__str__", "profile", "desired", "observed", "failures", "failure_class"]
-    list_filter = ["desired", "observed", "failure_class"]
-    inlines = [ShardInline]
-    readonly_fields = [
+    """Replicas are the reconciler's: created, moved and stopped by it. Operators look, and
+    restart one when they must."""
+
+    list_display = [
+        "__str__",
+        "profile",
+        "desired",
         "observed",
         "failures",
         "failure_class",
-        "backoff_until",
-        "generation",
-        "epoch",
-        "created_at",
         "ready_at",
-        "last_request_at",
     ]
+    list_filter = ["desired", "observed", "failure_class", "model"]
+    list_select_related = ["model", "profile"]
+    inlines = [ShardInline]
+    actions = ["restart"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Replica | None = None) -> list[str]:
+        return [f.name for f in Replica._meta.concrete_fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        # Every field is read-only, so a Save button would only mislead.
+        context = {**(extra_context or {}), "show_save": False, "show_save_and_continue": False}
+        return super().change_view(request, object_id, form_url, context)
+
+    @admin.action(description="Restart now (new generation)", permissions=["change"])
+    def restart(self, request: HttpRequest, queryset: QuerySet[Replica]) -> None:
+        done = [
+            str(replica)
+            for replica in queryset.select_related("model")
+            if operations.restart_replica(replica.pk, actor=actor(request))
+        ]
+        if done:
+            self.message_user(request, f"Restarting: {', '.join(done)}.", messages.SUCCESS)
+        else:
+            self.message_user(
+                request, "Nothing restarted: only replicas wanted running restart.", messages.INFO
+            )
+
+
+# --------------------------------------------------------------------------- read-only records
+
+
+class ReadOnlyAdmin(admin.ModelAdmin[_Record]):
+    """Rows only the control plane writes."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: _Record | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: _Record | None = None) -> bool:
+        return False
 
 
 @admin.register(Lease)
-class LeaseAdmin(admin.ModelAdmin[Lease]):
+class LeaseAdmin(ReadOnlyAdmin[Lease]):
     list_display = ["name", "owner", "epoch", "expires_at"]
-
-    def has_add_permission(self, request: object) -> bool:
-        return False
-
-    def has_change_permission(self, request: object, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: object, obj: object = None) -> bool:
-        return False
 
 
 @admin.register(Event)
-class EventAdmin(admin.ModelAdmin[Event]):
+class EventAdmin(ReadOnlyAdmin[Event]):
     list_display = ["created_at", "kind", "subject", "message", "epoch"]
     list_filter = ["kind"]
     search_fields = ["subject", "message"]
-
-    def has_add_permission(self, request: object) -> bool:
-        return False
-
-    def has_change_permission(self, request: object, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: object, obj: object = None) -> bool:
-        return False
+    date_hierarchy = "created_at"

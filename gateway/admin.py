@@ -13,6 +13,7 @@ from weakref import WeakKeyDictionary
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db import models
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.template.response import TemplateResponse
@@ -29,7 +30,16 @@ _issued: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
 class ApiKeyForm(forms.ModelForm[ApiKey]):
     class Meta:
         model = ApiKey
-        fields = "__all__"
+        fields = [
+            "user",
+            "name",
+            "allowed_models",
+            "rpm_limit",
+            "tpm_limit",
+            "token_budget",
+            "budget_period",
+            "expires_at",
+        ]
 
     def clean_allowed_models(self) -> list[str]:
         names = self.cleaned_data.get("allowed_models") or []
@@ -140,6 +150,8 @@ class EndpointAdmin(admin.ModelAdmin[Endpoint]):
 
     list_display = ["slug", "url", "model_names", "weight", "enabled", "allow_private_address"]
     list_filter = ["enabled"]
+    # Engines on private networks mostly speak plain http; say so rather than guess.
+    formfield_overrides = {models.URLField: {"assume_scheme": "http"}}
     search_fields = ["slug", "url"]
 
 

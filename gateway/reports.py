@@ -8,7 +8,7 @@ row-by-row CSV streams with ``iterator()`` for the same reason.
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
@@ -22,11 +22,11 @@ from gateway.models import UsageRecord
 GroupBy = Literal["model", "user", "key", "day"]
 GROUPS: tuple[GroupBy, ...] = ("model", "user", "key", "day")
 
-_GROUP_FIELDS: dict[GroupBy, dict[str, Any]] = {
-    "model": {"group": F("model")},
-    "user": {"group": F("user__username")},
-    "key": {"group": F("api_key__prefix")},
-    "day": {"group": TruncDate("started_at")},
+_GROUP_EXPRESSIONS: dict[GroupBy, Any] = {
+    "model": F("model"),
+    "user": F("user__username"),
+    "key": F("api_key__prefix"),
+    "day": TruncDate("started_at"),
 }
 
 ROW_FIELDS = (
@@ -105,7 +105,7 @@ class SummaryRow:
 def summarize(rows: QuerySet[UsageRecord], by: GroupBy) -> list[SummaryRow]:
     """Requests, errors and tokens per group, largest token use first (days: oldest first)."""
     grouped = (
-        rows.annotate(**_GROUP_FIELDS[by])
+        rows.annotate(group=_GROUP_EXPRESSIONS[by])
         .values("group")
         .annotate(
             requests=Count("id"),
@@ -158,7 +158,7 @@ def _safe(value: object) -> object:
     return value
 
 
-def _row_values(record: dict[str, Any]) -> list[object]:
+def _row_values(record: Mapping[str, Any]) -> list[object]:
     started: datetime = record["started_at"]
     return [
         _safe(v)

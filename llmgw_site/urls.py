@@ -1,11 +1,17 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
+from control.admin import dashboard_data
 from control.views import healthz
 from gateway.api import api as gateway_api
+from llmgw_site.metrics import metrics_view
 
 urlpatterns = [
     path("v1/", gateway_api.urls),
     path("healthz", healthz, name="healthz"),
+    path("metrics", metrics_view, name="metrics"),
+    # Before admin.site.urls, whose catch-all would take it; staff-only, checked in the view.
+    path("admin/dashboard.json", dashboard_data, name="admin-dashboard-data"),
     path("admin/", admin.site.urls),
+    path("account/", include("gateway.account")),
 ]

@@ -1,0 +1,285 @@
+"""The catalog as YAML: profiles, models and static endpoints, exported and imported.
+
+Import is idempotent: rows are matched by their natural key (a profile's and a model's
+``name``, an endpoint's ``id``), only fields that differ are written, and importing the same
+file twice changes nothing the second time. The whole file is validated before anything is
+written, and written in one transaction, so a bad file leaves the catalog as it was. Nothing
+absent from the file is deleted: an import adds and updates, it does not prune.
+
+Fields come from the models' own metadata (every editable column), so a field added to a model
+is exported and imported without touching this module.
+
+Also here: the checks an agent applies to what a profile becomes on the wire (argument
+template, environment names, health path), run when an operator saves a profile, so a bad
+profile is refused at the admin instead of breaking every node stream that carries it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import yaml
+from django.core.exceptions import ValidationError
+from django.db import models, transaction
+
+from agents.protocol import DesiredShard, ProtocolError
+from control.models import Profile, ServedModel
+from gateway.models import Endpoint
+
+FORMAT_VERSION = 1
+_M = TypeVar("_M", bound=models.Model)
+
+
+class CatalogError(Exception):
+    """The file cannot be imported; the message says where and why."""
+
+
+def wire_problems(
+    *, args: object, env: object, health_path: object, gpu_selector: object
+) -> dict[str, str]:
+    """Field → what the agent would refuse about a profile (empty when it would take it).
+
+    Checked by building the very message the control plane sends (``DesiredShard``) with the
+    agent's own validation, so this cannot disagree with the agent.
+    """
+    problems: dict[str, str] = {}
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        problems["args"] = "must be a list of strings"
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        problems["env"] = 'must map names to string values, e.g. {"HF_HOME": "/data"}'
+    if not isinstance(gpu_selector, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in gpu_selector.items()
+    ):
+        problems["gpu_selector"] = 'must map label names to string values, e.g. {"gpu": "h100"}'
+    if problems:
+        return problems
+    probe = {
+        "shard_id": 1,
+        "replica_id": 1,
+        "generation": 1,
+        "state": "running",
+        "engine": "sim",
+        "model": "probe",
+        "source": "probe",
+        "port": 1,
+        "args": args,
+        "env": env,
+        "health_path": health_path,
+    }
+    try:
+        DesiredShard.from_dict(probe)
+    except ProtocolError as exc:
+        text = str(exc)
+        where = next((name for name in ("env", "args", "health_path") if name in text), "args")
+        problems[where] = text.removeprefix("shard.")
+    return problems
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _columns(
+    model: type[models.Model], *, skip: Iterable[str] = ()
+) -> list[models.Field[Any, Any]]:
+    """Editable concrete non-relation columns, in declaration order."""
+    skipped = {"id", *skip}
+    return [
+        f
+        for f in model._meta.concrete_fields
+        if f.editable and not f.is_relation and f.name not in skipped
+    ]
+
+
+def _values(row: models.Model, columns: Iterable[models.Field[Any, Any]]) -> dict[str, Any]:
+    return {f.name: f.value_from_object(row) for f in columns}
+
+
+def export() -> dict[str, Any]:
+    """The whole catalog as plain data, in a stable order."""
+    profiles = [_values(p, _columns(Profile)) for p in Profile.objects.order_by("name")]
+    served = []
+    for model in ServedModel.objects.select_related("default_profile").prefetch_related("profiles"):
+        entry = _values(model, _columns(ServedModel))
+        entry["default_profile"] = model.default_profile.name
+        entry["profiles"] = sorted(p.name for p in model.profiles.all())
+        served.append(entry)
+    endpoints = []
+    for endpoint in Endpoint.objects.order_by("slug"):
+        entry = _values(endpoint, _columns(Endpoint, skip=["slug", "model_names"]))
+        endpoints.append({"id": endpoint.slug, **entry, "models": list(endpoint.model_names)})
+    return {
+        "version": FORMAT_VERSION,
+        "profiles": profiles,
+        "models": served,
+        "endpoints": endpoints,
+    }
+
+
+def export_yaml() -> str:
+    return yaml.safe_dump(export(), sort_keys=False, allow_unicode=True)
+
+
+# --------------------------------------------------------------------------- import
+
+
+@dataclass
+class ImportResult:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"{len(self.created)} created, {len(self.updated)} updated, "
+            f"{len(self.unchanged)} unchanged"
+        )
+
+
+def _entries(data: Mapping[str, Any], section: str) -> list[Mapping[str, Any]]:
+    entries = data.get(section) or []
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise CatalogError(f"{section}: must be a list of mappings")
+    return entries
+
+
+def _assign(
+    row: _M, entry: Mapping[str, Any], columns: list[models.Field[Any, Any]], where: str
+) -> bool:
+    """Copy the entry's fields onto ``row``; True if any differed. Unknown keys are errors."""
+    known = {f.name: f for f in columns}
+    changed = False
+    for key, value in entry.items():
+        column = known.get(key)
+        if column is None:
+            raise CatalogError(f"{where}: unknown field {key!r} (known: {', '.join(known)})")
+        try:
+            cleaned = column.to_python(value)
+        except ValidationError as exc:
+            raise CatalogError(f"{where}.{key}: {'; '.join(exc.messages)}") from None
+        if column.value_from_object(row) != cleaned:
+            setattr(row, column.attname, cleaned)
+            changed = True
+    return changed
+
+
+def _validate(row: models.Model, where: str, *, exclude: Iterable[str] = ()) -> None:
+    try:
+        row.full_clean(exclude=list(exclude), validate_unique=False)
+    except ValidationError as exc:
+        details = "; ".join(
+            f"{name}: {' '.join(messages)}" for name, messages in exc.message_dict.items()
+        )
+        raise CatalogError(f"{where}: {details}") from None
+
+
+def _name(entry: Mapping[str, Any], key: str, where: str) -> str:
+    value = entry.get(key)
+    if not isinstance(value, str) or not value:
+        raise CatalogError(f"{where}: needs a {key!r}")
+    return value
+
+
+def import_data(data: object, *, dry_run: bool = False) -> ImportResult:
+    """Create or update every entry in ``data`` (the shape :func:`export` writes)."""
+    if not isinstance(data, dict):
+        raise CatalogError("the catalog must be a mapping with profiles, models, endpoints")
+    unknown = set(data) - {"version", "profiles", "models", "endpoints"}
+    if unknown:
+        raise CatalogError(f"unknown top-level keys: {', '.join(sorted(unknown))}")
+    if data.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise CatalogError(f"version {data.get('version')!r} is not {FORMAT_VERSION}")
+    result = ImportResult()
+    with transaction.atomic():
+        _import_profiles(_entries(data, "profiles"), result)
+        _import_models(_entries(data, "models"), result)
+        _import_endpoints(_entries(data, "endpoints"), result)
+        if dry_run:
+            transaction.set_rollback(True)
+    return result
+
+
+def import_yaml(text: str, *, dry_run: bool = False) -> ImportResult:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"not valid YAML: {exc}") from None
+    return import_data(data, dry_run=dry_run)
+
+
+def _save(row: models.Model, changed: bool, label: str, result: ImportResult) -> None:
+    if row.pk is None:
+        row.save()
+        result.created.append(label)
+    elif changed:
+        row.save()
+        result.updated.append(label)
+    else:
+        result.unchanged.append(label)
+
+
+def _import_profiles(entries: list[Mapping[str, Any]], result: ImportResult) -> None:
+    columns = _columns(Profile)
+    for i, entry in enumerate(entries):
+        where = f"profiles[{i}]"
+        name = _name(entry, "name", where)
+        row = Profile.objects.filter(name=name).first() or Profile(name=name)
+        changed = _assign(row, entry, columns, f"profile {name}")
+        _validate(row, f"profile {name}")
+        problems = wire_problems(
+            args=row.args, env=row.env, health_path=row.health_path, gpu_selector=row.gpu_selector
+        )
+        if problems:
+            details = "; ".join(f"{k}: {v}" for k, v in problems.items())
+            raise CatalogError(f"profile {name}: {details}")
+        _save(row, changed, f"profile {name}", result)
+
+
+def _profile(name: object, where: str) -> Profile:
+    profile = Profile.objects.filter(name=str(name)).first()
+    if profile is None:
+        raise CatalogError(f"{where}: no profile named {name!r} (in the file or the catalog)")
+    return profile
+
+
+def _import_models(entries: list[Mapping[str, Any]], result: ImportResult) -> None:
+    columns = _columns(ServedModel)
+    for i, entry in enumerate(entries):
+        where = f"models[{i}]"
+        name = _name(entry, "name", where)
+        fields = dict(entry)
+        default = _profile(_name(fields, "default_profile", f"model {name}"), f"model {name}")
+        fields.pop("default_profile")
+        profile_names = fields.pop("profiles", None) or [default.name]
+        if not isinstance(profile_names, list):
+            raise CatalogError(f"model {name}: profiles must be a list of profile names")
+        profiles = {_profile(p, f"model {name}") for p in profile_names} | {default}
+        row = ServedModel.objects.filter(name=name).first() or ServedModel(name=name)
+        changed = _assign(row, fields, columns, f"model {name}")
+        if row.pk is None or row.default_profile_id != default.pk:
+            row.default_profile = default
+            changed = True
+        _validate(row, f"model {name}")
+        _save(row, changed, f"model {name}", result)
+        if set(row.profiles.all()) != profiles:
+            row.profiles.set(profiles)
+            if f"model {name}" in result.unchanged:
+                result.unchanged.remove(f"model {name}")
+                result.updated.append(f"model {name}")
+
+
+def _import_endpoints(entries: list[Mapping[str, Any]], result: ImportResult) -> None:
+    columns = _columns(Endpoint, skip=["slug"])
+    for i, entry in enumerate(entries):
+        where = f"endpoints[{i}]"
+        slug = _name(entry, "id", where)
+        fields = {k: v for k, v in entry.items() if k != "id"}
+        if "models" in fields:
+            fields["model_names"] = fields.pop("models")
+        row = Endpoint.objects.filter(slug=slug).first() or Endpoint(slug=slug)
+        changed = _assign(row, fields, columns, f"endpoint {slug}")
+        _validate(row, f"endpoint {slug}")
+        _save(row, changed, f"endpoint {slug}", result)

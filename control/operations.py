@@ -1,0 +1,110 @@
+"""What operators do to the fleet: cordon, drain and undrain a node, restart a replica.
+
+One function per state change, each one transaction with a conditional update (the row count
+says whether anything changed, so a second click or a racing operator changes nothing twice),
+an Event naming who did it, and the agents told after commit through
+:func:`control.nodes.nudge_node`. The admin's actions and the ``cordon``/``drain``/``undrain``
+commands are thin edges over these.
+
+A node's schedule is not part of any agent's desired state: the reconciler reads it on its
+next tick (about a second) and moves replicas off a draining node, placing nothing new on a
+cordoned one. So schedule changes nudge nobody; a restart changes what the agents must run
+and nudges every node the replica spans.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from django.db.models import F
+
+from control import nodes
+from control.models import Event, Node, Replica, Shard
+
+logger = logging.getLogger(__name__)
+
+
+class NotFound(Exception):
+    """The node or replica named does not exist."""
+
+
+def _node_name(node_id: int) -> str:
+    name = Node.objects.filter(pk=node_id).values_list("name", flat=True).first()
+    if name is None:
+        raise NotFound(f"node {node_id} does not exist")
+    return name
+
+
+def _set_schedule(node_id: int, to: str, *, actor: str, why: str) -> bool:
+    with transaction.atomic():
+        name = _node_name(node_id)
+        changed = Node.objects.filter(pk=node_id).exclude(schedule=to).update(schedule=to)
+        if changed:
+            Event.objects.create(
+                kind=Event.Kind.OPERATOR,
+                subject=f"node/{name}",
+                message=f"{to} by {actor}: {why}",
+                data={"actor": actor, "schedule": to},
+            )
+            logger.info("node %s: schedule %s by %s", name, to, actor)
+    return bool(changed)
+
+
+def cordon_node(node_id: int, *, actor: str) -> bool:
+    """No new placements on the node; what runs there keeps running. False: already so."""
+    return _set_schedule(node_id, Node.Schedule.CORDONED, actor=actor, why="no new placements here")
+
+
+def drain_node(node_id: int, *, actor: str) -> bool:
+    """Move everything off the node: no new traffic, in-flight requests finish, then stop."""
+    return _set_schedule(
+        node_id,
+        Node.Schedule.DRAINING,
+        actor=actor,
+        why="replicas here are moved elsewhere and stopped once idle",
+    )
+
+
+def undrain_node(node_id: int, *, actor: str) -> bool:
+    """Make a cordoned or draining node schedulable again."""
+    return _set_schedule(node_id, Node.Schedule.ACTIVE, actor=actor, why="schedulable again")
+
+
+def restart_replica(replica_id: int, *, actor: str) -> bool:
+    """Start a running replica's shards afresh, now (also cutting short a failure backoff).
+
+    A new generation changes every shard's identity, so the agents stop the old processes and
+    start new ones; reports about the old generation are ignored from here on. Observed state
+    goes back to pending for the same reason: nothing of the new generation has been seen yet,
+    and the router must not send traffic to the incarnation being replaced. False when the
+    replica is not wanted running (stopped or draining replicas are not restarted).
+    """
+    with transaction.atomic():
+        replica = (
+            Replica.objects.filter(pk=replica_id)
+            .select_related("model")
+            .only("model__name")
+            .first()
+        )
+        if replica is None:
+            raise NotFound(f"replica {replica_id} does not exist")
+        changed = Replica.objects.filter(pk=replica_id, desired=Replica.Desired.RUNNING).update(
+            generation=F("generation") + 1,
+            observed=Replica.Observed.PENDING,
+            failures=0,
+            backoff_until=None,
+        )
+        if changed:
+            shards = Shard.objects.filter(replica_id=replica_id)
+            shards.update(observed=Replica.Observed.PENDING, exit_code=None)
+            Event.objects.create(
+                kind=Event.Kind.OPERATOR,
+                subject=f"model/{replica.model.name}",
+                message=f"replica #{replica_id} restarted by {actor}",
+                data={"actor": actor, "replica": replica_id},
+            )
+            for node_id in sorted(set(shards.values_list("node_id", flat=True))):
+                nodes.nudge_node(node_id)
+            logger.info("replica %s: restarted by %s", replica_id, actor)
+    return bool(changed)
