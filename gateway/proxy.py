@@ -116,7 +116,8 @@ class Exchange:
         self.usage.upstream = upstream.id
         if not self.started:
             self.started = True
-            recorder.start(self.usage)
+            if settings.LLMGW_USAGE_ACCOUNTING:
+                recorder.start(self.usage)
 
     def drop_hold(self) -> None:
         if self.holding is not None:
@@ -141,7 +142,8 @@ class Exchange:
             usage.prompt_tokens = tokens.prompt
             usage.completion_tokens = tokens.completion
             usage.cached_tokens = tokens.cached
-        recorder.finish(usage)
+        if settings.LLMGW_USAGE_ACCOUNTING:
+            recorder.finish(usage)
         if self.reservation.counters:
             limits.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens)
 

@@ -257,6 +257,8 @@ LLMGW_DEFAULT_MAX_TOKENS: int = _read(env_int, "LLMGW_DEFAULT_MAX_TOKENS", 1024,
 LLMGW_USAGE_FLUSH_INTERVAL: float = _read(
     env_float, "LLMGW_USAGE_FLUSH_INTERVAL", 0.5, minimum=0.01
 )
+# Off only to price usage accounting in the benchmark: requests then leave no usage rows.
+LLMGW_USAGE_ACCOUNTING: bool = _read(env_bool, "LLMGW_USAGE_ACCOUNTING", True)
 LLMGW_USAGE_JOURNAL_DIR = Path(env_str(ENV, "LLMGW_USAGE_JOURNAL_DIR", str(VAR_DIR / "usage")))
 # SSE comments sent to a stream while it waits for a cold model, so proxies keep it open.
 LLMGW_KEEPALIVE_INTERVAL: float = _read(env_float, "LLMGW_KEEPALIVE_INTERVAL", 5.0, minimum=0.05)
