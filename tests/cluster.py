@@ -559,3 +559,70 @@ def shard_nodes(model: str) -> set[str]:
 
 def node_health(name: str) -> str:
     return str(Node.objects.values_list("health", flat=True).get(name=name))
+
+
+# --- ticks, as a worker's log shows them ------------------------------------------------------
+
+_TICK = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*tick: leader epoch")
+
+
+def tick_times(log: str) -> list[float]:
+    """Wall-clock times (epoch seconds) of the ticks a worker ran as leader."""
+    from datetime import datetime
+
+    times = []
+    for line in log.splitlines():
+        match = _TICK.match(line)
+        if match:
+            stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            times.append(stamp.timestamp())
+    return times
+
+
+@contextmanager
+def table_locked(table: str, *then: str) -> Iterator[None]:
+    """Hold an ACCESS EXCLUSIVE lock on ``table`` (PostgreSQL) from a connection of its own:
+    every tick that touches it waits, as a slow store would make it. Statements in ``then``
+    run in the same transaction and commit with the release, so the waiting tick sees them."""
+    import psycopg
+
+    settings = connection.settings_dict
+    with psycopg.connect(
+        host=settings.get("HOST") or "127.0.0.1",
+        port=int(settings.get("PORT") or 5432),
+        user=settings.get("USER") or "postgres",
+        dbname=settings["NAME"],
+    ) as conn:
+        conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        for statement in then:
+            conn.execute(statement)
+        yield
+        conn.commit()
+
+
+def steal_lease(owner: str = "thief:0:0", ttl_ms: int = 60_000) -> int:
+    """Another owner takes the lease now (as after an expiry); returns the new epoch."""
+    import psycopg
+
+    settings = connection.settings_dict
+    with psycopg.connect(
+        host=settings.get("HOST") or "127.0.0.1",
+        port=int(settings.get("PORT") or 5432),
+        user=settings.get("USER") or "postgres",
+        dbname=settings["NAME"],
+        autocommit=True,
+    ) as conn:
+        row = conn.execute(
+            "UPDATE control_lease SET owner = %s, epoch = epoch + 1, "
+            "expires_at_ms = llmgw_clock_ms() + %s WHERE name = 'reconciler' RETURNING epoch",
+            (owner, ttl_ms),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def release_stolen_lease(owner: str = "thief:0:0") -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE control_lease SET owner = '', expires_at_ms = 0 WHERE owner = %s", [owner]
+        )

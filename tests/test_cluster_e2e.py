@@ -8,6 +8,7 @@ L2, L3, L5, L11, C1–C6, N1/N4. The figures (failover times) are printed for th
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,10 @@ from tests.cluster import (
     lease_state,
     node_health,
     ready_replicas,
+    release_stolen_lease,
     shard_nodes,
+    steal_lease,
+    table_locked,
     wait_until,
     writes_by_epoch_in_commit_order,
 )
@@ -185,3 +189,77 @@ def signal_leader(cluster: Cluster, sig: int) -> Any:
     leader = wait_until(lambda: leader_worker(cluster), 10, "a leader")
     leader.worker.send(sig)
     return leader
+
+
+def test_paused_terminated_and_partitioned_leaders_never_write_stale(
+    cluster: Cluster, capsys: Any
+) -> None:
+    """[L3] SIGSTOP for 2×TTL, [L11] SIGTERM, [L5] cut off from the store, [C6] lease lost
+    mid-tick: each time the standby takes over and no write of an old epoch lands late."""
+    for _ in range(2):
+        cluster.add_control_plane(via_proxy=True)
+    cluster.add_agent("a", gpus="4x80GiB")
+    wait_until(lambda: node_health("a") == "ready", 60, "the agent")
+    add_model("m", min_replicas=1, max_replicas=2, idle_timeout_s=3600)
+    wait_ready("m", 1)
+    figures = []
+    checker = InvariantChecker(cluster)
+    with checker.running():
+        # [L3] pause the leader past its TTL; the standby leads; the resumed one writes nothing.
+        leader = signal_leader(cluster, signal.SIGSTOP)
+        paused_owner, paused_epoch = lease_state()
+        paused_at = time.monotonic()
+        wait_until(lambda: lease_state()[1] > paused_epoch, TTL + 3, "a takeover during the pause")
+        figures.append(f"[L3] paused leader replaced after {time.monotonic() - paused_at:.2f}s")
+        ServedModel.objects.filter(name="m").update(min_replicas=2)  # work for whoever leads
+        time.sleep(max(0.0, 2 * TTL - (time.monotonic() - paused_at)))
+        leader.worker.send(signal.SIGCONT)
+        wait_ready("m", 2)
+        time.sleep(3 * TICK)
+        stale = Replica.objects.filter(epoch=paused_epoch, model__name="m").count()
+        assert stale == 1, "only the replica placed before the pause carries the old epoch"
+        assert lease_state()[0] != paused_owner, "the resumed process stays a follower"
+        assert epochs_are_monotonic()
+
+        # [L11] SIGTERM the leader: it releases the lease, the standby leads within a tick.
+        _, epoch = lease_state()
+        leader = signal_leader(cluster, signal.SIGTERM)
+        terminated_at = time.monotonic()
+        wait_until(lambda: lease_state()[1] > epoch, TTL, "a takeover after SIGTERM")
+        handover = time.monotonic() - terminated_at
+        assert handover < TTL, "released, not expired"
+        assert leader.worker.process is not None and leader.worker.process.wait(15) == 0
+        figures.append(f"[L11] SIGTERM handover in {handover:.2f}s (TTL {TTL:g}s)")
+        leader.worker.start()
+
+        # [L5] the leader's host loses the store; the standby takes over after expiry; back
+        # on the network, the old leader stays a follower.
+        leader = wait_until(lambda: leader_worker(cluster), 10, "a leader")
+        _, epoch = lease_state()
+        assert leader.proxy is not None
+        leader.proxy.cut()
+        cut_at = time.monotonic()
+        wait_until(lambda: lease_state()[1] > epoch, TTL + 3, "a takeover after the partition")
+        figures.append(f"[L5] partitioned leader replaced after {time.monotonic() - cut_at:.2f}s")
+        new_owner, new_epoch = lease_state()
+        leader.proxy.restore()
+        time.sleep(4 * TICK)
+        assert lease_state() == (new_owner, new_epoch), "the returning leader stays a follower"
+
+        # [C6] the lease is lost mid-tick: the tick's remaining writes change nothing.
+        leader = wait_until(lambda: leader_worker(cluster), 10, "a leader")
+        last_id = Replica.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+        more = "UPDATE control_servedmodel SET min_replicas = 3, max_replicas = 3 WHERE name='m'"
+        with table_locked("control_servedmodel", more):
+            time.sleep(2 * TICK)  # the leader's tick now waits inside its snapshot read
+            stolen_epoch = steal_lease()
+        # The tick reads min 3, wants a replica, and its fenced write is refused.
+        wait_until(
+            lambda: "lost leadership mid-tick" in leader.worker.output(), 10, "the lost-lease log"
+        )
+        assert not Replica.objects.filter(pk__gt=last_id, epoch__lt=stolen_epoch).exists()
+        release_stolen_lease()
+        wait_ready("m", 3)
+    assert checker.violations == [], checker.violations[:10]
+    with capsys.disabled():
+        print("\n" + "\n".join(figures))
