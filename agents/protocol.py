@@ -42,19 +42,24 @@ LOG_LINE_MAX_CHARS: Final = 1000
 
 
 class CloseCode(IntEnum):
-    """WebSocket close codes; 4xxx mirror the HTTP status a human would expect."""
+    """WebSocket close codes; 4xxx mirror the HTTP status a human would expect.
+
+    Applications may only send 1000 and 3000-4999 (RFC 6455 7.4.2; Daphne's WebSocket
+    library enforces it), so even "too big" and "binary" get 4xxx codes here. 1009 is still
+    what a peer sees when a frame exceeds the *transport's* own limit.
+    """
 
     NORMAL = 1000
     GOING_AWAY = 1001
-    UNSUPPORTED_DATA = 1003  # a binary frame: the protocol is JSON text only
-    TOO_BIG = 1009
-    INTERNAL_ERROR = 1011  # the control plane cannot serve now (store down); retry later
     MALFORMED = 4400
     UNAUTHORIZED = 4401  # token missing, wrong or revoked
     FORBIDDEN = 4403  # the hello names another node than the token's
     HELLO_TIMEOUT = 4408
     REPLACED = 4409  # a newer connection of the same node took over
+    TOO_BIG = 4413
+    UNSUPPORTED_DATA = 4415  # a binary frame: the protocol is JSON text only
     PROTOCOL_VERSION = 4426
+    STORE_UNAVAILABLE = 4503  # the control plane cannot serve now (store down); retry later
 
 
 class ProtocolError(Exception):

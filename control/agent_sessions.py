@@ -147,7 +147,7 @@ class AgentSession:
             # The store is down: this stream cannot do its job; the agent retries later and
             # keeps its shards running meanwhile.
             logger.error("node %s: store unavailable (%s); closing the stream", self.name, exc)
-            await self.fail(CloseCode.INTERNAL_ERROR, "the control plane's store is unavailable")
+            await self.fail(CloseCode.STORE_UNAVAILABLE, "the control plane's store is unavailable")
 
     async def _on_hello(self, hello: Hello) -> None:
         if hello.node != self.identity.name:

@@ -66,7 +66,7 @@ class NodeTokenAuthMiddleware:
             await _accept_and_close(
                 receive,
                 send,
-                CloseCode.INTERNAL_ERROR,
+                CloseCode.STORE_UNAVAILABLE,
                 "the control plane's store is unavailable; retry later",
             )
             return
