@@ -580,7 +580,7 @@ def tick_times(log: str) -> list[float]:
 
 
 @contextmanager
-def table_locked(table: str, *then: str) -> Iterator[None]:
+def table_locked(table: str, *then: str, mode: str = "ACCESS EXCLUSIVE") -> Iterator[None]:
     """Hold an ACCESS EXCLUSIVE lock on ``table`` (PostgreSQL) from a connection of its own:
     every tick that touches it waits, as a slow store would make it. Statements in ``then``
     run in the same transaction and commit with the release, so the waiting tick sees them."""
@@ -593,15 +593,16 @@ def table_locked(table: str, *then: str) -> Iterator[None]:
         user=settings.get("USER") or "postgres",
         dbname=settings["NAME"],
     ) as conn:
-        conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        conn.execute(f"LOCK TABLE {table} IN {mode} MODE")
         for statement in then:
             conn.execute(statement)
         yield
         conn.commit()
 
 
-def steal_lease(owner: str = "thief:0:0", ttl_ms: int = 60_000) -> int:
-    """Another owner takes the lease now (as after an expiry); returns the new epoch."""
+def execute_now(sql: str, params: tuple[Any, ...] = ()) -> Any:
+    """Run one statement on a connection of its own, committed at once (while the test's own
+    connection may be waiting on a lock)."""
     import psycopg
 
     settings = connection.settings_dict
@@ -612,11 +613,17 @@ def steal_lease(owner: str = "thief:0:0", ttl_ms: int = 60_000) -> int:
         dbname=settings["NAME"],
         autocommit=True,
     ) as conn:
-        row = conn.execute(
-            "UPDATE control_lease SET owner = %s, epoch = epoch + 1, "
-            "expires_at_ms = llmgw_clock_ms() + %s WHERE name = 'reconciler' RETURNING epoch",
-            (owner, ttl_ms),
-        ).fetchone()
+        cursor = conn.execute(sql, params)
+        return cursor.fetchone() if cursor.description else None
+
+
+def steal_lease(owner: str = "thief:0:0", ttl_ms: int = 60_000) -> int:
+    """Another owner takes the lease now (as after an expiry); returns the new epoch."""
+    row = execute_now(
+        "UPDATE control_lease SET owner = %s, epoch = epoch + 1, "
+        "expires_at_ms = llmgw_clock_ms() + %s WHERE name = 'reconciler' RETURNING epoch",
+        (owner, ttl_ms),
+    )
     assert row is not None
     return int(row[0])
 

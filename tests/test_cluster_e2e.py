@@ -23,6 +23,7 @@ from tests.cluster import (
     Cluster,
     InvariantChecker,
     engine_processes,
+    execute_now,
     leader_worker,
     lease_state,
     node_health,
@@ -31,6 +32,7 @@ from tests.cluster import (
     shard_nodes,
     steal_lease,
     table_locked,
+    tick_times,
     wait_until,
     writes_by_epoch_in_commit_order,
 )
@@ -260,6 +262,93 @@ def test_paused_terminated_and_partitioned_leaders_never_write_stale(
         assert not Replica.objects.filter(pk__gt=last_id, epoch__lt=stolen_epoch).exists()
         release_stolen_lease()
         wait_ready("m", 3)
+    assert checker.violations == [], checker.violations[:10]
+    with capsys.disabled():
+        print("\n" + "\n".join(figures))
+
+
+# A backend of the store waiting for a lock, in the middle of inserting a shard.
+WAITING_ON_SHARDS = (
+    "SELECT string_agg(query, ' ') FROM pg_stat_activity "
+    "WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO %%control_shard%%'"
+)
+
+
+def ticks_between(plane: Any, start: float, end: float) -> int:
+    return sum(1 for t in tick_times(plane.worker.output()) if start <= t < end)
+
+
+def test_reconciler_ticks_survive_slow_ticks_dead_workers_and_a_broker_restart(
+    cluster: Cluster, capsys: Any
+) -> None:
+    """[C2] a slow tick, [C3] workers down for ten intervals, [C4] the broker restarted,
+    [C5] the worker killed in the middle of a placement: never two ticks at once, no backlog,
+    ticks resume, and the placement converges once."""
+    plane = cluster.add_control_plane()
+    cluster.add_agent("a", gpus="4x80GiB")
+    wait_until(lambda: node_health("a") == "ready", 60, "the agent")
+    add_model("m", min_replicas=1, max_replicas=3, idle_timeout_s=3600)
+    wait_ready("m", 1)
+    figures = []
+    checker = InvariantChecker(cluster)
+    with checker.running():
+        # [C2] ticks stall for six intervals; afterwards no burst of queued ticks runs.
+        with table_locked("control_servedmodel"):
+            time.sleep(6 * TICK)
+        released = time.time()
+        time.sleep(4 * TICK)
+        burst = ticks_between(plane, released, released + 2 * TICK)
+        # The stalled tick ends, then at most one due tick, then the normal two a second;
+        # the six that came due during the stall expired unrun instead of queueing.
+        assert burst <= 4, f"{burst} ticks ran in the first second after the stall"
+        assert ticks_between(plane, released - 5 * TICK, released) == 0, "none while stalled"
+        assert plane.worker.output().count("Discarding revoked task") >= 3
+        figures.append(f"[C2] ticks in the first second after a 3 s stall: {burst}")
+
+        # [C3] the worker is down for ten intervals; back, it runs one tick, not ten.
+        assert plane.worker.stop() == 0
+        time.sleep(10 * TICK)
+        plane.worker.start()
+        first = wait_until(
+            lambda: [t for t in tick_times(plane.worker.output()) if t > released + 10 * TICK],
+            30,
+            "ticks after the worker restart",
+        )[0]
+        time.sleep(4 * TICK)
+        backlog = ticks_between(plane, first, first + 2 * TICK)
+        assert backlog <= 4, f"{backlog} ticks in the first second: a backlog ran"
+        figures.append(f"[C3] ticks in the first second after 10 missed intervals: {backlog}")
+
+        # [C4] the broker restarts; the worker resumes within a few intervals.
+        assert cluster.redis is not None
+        cluster.redis.stop()
+        time.sleep(2 * TICK)
+        cluster.start_redis()
+        restarted = time.time()
+        resumed = wait_until(
+            lambda: [t for t in tick_times(plane.worker.output()) if t > restarted],
+            30,
+            "ticks after the broker restart",
+        )[0]
+        figures.append(f"[C4] ticks resumed {resumed - restarted:.1f}s after the broker came back")
+
+        # [C5] kill -9 the worker while its placement transaction waits on the store; the
+        # transaction dies with it, and the next worker places exactly once.
+        # SHARE lets the tick read shards but not insert them: it inserts the replica row,
+        # then waits on its shard row inside the fenced transaction.
+        with table_locked("control_shard", mode="SHARE"):
+            execute_now("UPDATE control_servedmodel SET min_replicas = 2 WHERE name = 'm'")
+            wait_until(
+                lambda: "control_shard" in str(execute_now(WAITING_ON_SHARDS)),
+                10,
+                "the placement to wait on the shard table",
+            )
+            plane.worker.kill()
+        assert Replica.objects.filter(model__name="m").count() == 1, "nothing half-written"
+        plane.worker.start()
+        wait_ready("m", 2)
+        time.sleep(4 * TICK)
+        assert Replica.objects.filter(model__name="m").count() == 2, "placed once"
     assert checker.violations == [], checker.violations[:10]
     with capsys.disabled():
         print("\n" + "\n".join(figures))
