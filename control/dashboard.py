@@ -83,7 +83,9 @@ def _seconds_ago(moment: datetime | None, now: datetime) -> float | None:
     return None if moment is None else round((now - moment).total_seconds(), 1)
 
 
-def _nodes(now: datetime) -> list[dict[str, Any]]:
+def nodes(now: datetime | None = None) -> list[dict[str, Any]]:
+    """Every node with its GPUs, each marked with the replica holding it (if any)."""
+    now = now or timezone.now()
     held = allocated_gpu_keys()
     out = []
     for node in Node.objects.prefetch_related("gpus").order_by("name"):
@@ -240,20 +242,20 @@ def traffic(now: datetime, minutes: int = WINDOW_MINUTES) -> dict[str, Any]:
 def snapshot(now: datetime | None = None) -> dict[str, Any]:
     """Everything the dashboard shows, at one moment."""
     now = now or timezone.now()
-    nodes = _nodes(now)
+    fleet = nodes(now)
     models = _models(now)
-    gpus = [gpu for node in nodes for gpu in node["gpus"]]
+    gpus = [gpu for node in fleet for gpu in node["gpus"]]
     return {
         "generated_at": now.isoformat(),
         "summary": {
-            "nodes": len(nodes),
-            "nodes_ready": sum(1 for node in nodes if node["state"] == "ready"),
+            "nodes": len(fleet),
+            "nodes_ready": sum(1 for node in fleet if node["state"] == "ready"),
             "gpus": len(gpus),
             "gpus_allocated": sum(1 for gpu in gpus if gpu["allocated_to"]),
             "replicas_ready": sum(model["ready"] for model in models),
             "replicas_desired": sum(model["desired"] for model in models),
         },
-        "nodes": nodes,
+        "nodes": fleet,
         "models": models,
         "lease": _lease(),
         "traffic": traffic(now),

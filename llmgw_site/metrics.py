@@ -35,15 +35,9 @@ from django.db import DatabaseError, connection
 from django.db.models import Count
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from control import leases
@@ -350,13 +344,16 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return family
 
 
-def scrape() -> bytes:
-    """The exposition text: every process's samples summed, plus the fleet from the store."""
+def scrape(accept: str = "") -> tuple[bytes, str]:
+    """The exposition and its content type: every process's samples summed, plus the fleet
+    from the store. The format follows the scraper's Accept header (Prometheus text 0.0.4
+    when it names none; OpenMetrics when asked), as prometheus_client's own handlers do."""
     forget_dead_processes()
     registry = CollectorRegistry()
     MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     registry.register(FleetCollector())
-    return bytes(generate_latest(registry))
+    encoder, content_type = choose_encoder(accept)
+    return bytes(encoder(registry)), content_type
 
 
 # --------------------------------------------------------------------------- the endpoint
@@ -382,4 +379,5 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         response = JsonResponse({"error": "a valid bearer token is required"}, status=401)
         response["WWW-Authenticate"] = 'Bearer realm="llmgw metrics"'
         return response
-    return HttpResponse(scrape(), content_type=CONTENT_TYPE_LATEST)
+    body, content_type = scrape(request.headers.get("Accept", ""))
+    return HttpResponse(body, content_type=content_type)

@@ -1,0 +1,28 @@
+"""``manage.py export_catalog [-o FILE]``: profiles, models and static endpoints as YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from control import catalog
+
+
+class Command(BaseCommand):
+    help = "Export the catalog (profiles, models, static endpoints) as YAML, for import_catalog."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("-o", "--output", help="Write to this file (default: standard output).")
+
+    def handle(self, *args: Any, output: str | None, **options: Any) -> None:
+        text = catalog.export_yaml()
+        if output is None:
+            self.stdout.write(text, ending="")
+            return
+        try:
+            Path(output).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise CommandError(f"cannot write {output}: {exc.strerror}") from None
+        self.stderr.write(f"catalog written to {output}")

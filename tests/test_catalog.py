@@ -1,0 +1,149 @@
+"""Catalog YAML: export and import are inverse, import is idempotent and all-or-nothing."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from control import catalog
+from control.catalog import CatalogError
+from control.models import Profile, ServedModel
+from gateway.models import Endpoint
+
+pytestmark = pytest.mark.django_db
+
+CATALOG = """
+version: 1
+profiles:
+  - name: vllm-tp2
+    engine: vllm
+    args: ["--model", "{source}", "--port", "{port}", "--tensor-parallel-size", "2"]
+    env: {HF_HOME: /data/hf}
+    gpus_per_shard: 2
+    gpu_memory_mib: 70000
+    gpu_selector: {gpu: h100}
+  - name: sim
+    engine: sim
+models:
+  - name: llama3-70b
+    aliases: [llama3]
+    source: meta-llama/Meta-Llama-3-70B-Instruct
+    default_profile: vllm-tp2
+    profiles: [vllm-tp2, sim]
+    min_replicas: 1
+    max_replicas: 3
+    pinned: true
+endpoints:
+  - id: openai-compat
+    url: http://10.0.0.5:8000
+    models: [llama3-70b]
+    weight: 3
+"""
+
+
+def test_import_creates_every_entry() -> None:
+    result = catalog.import_yaml(CATALOG)
+    assert result.created == [
+        "profile vllm-tp2",
+        "profile sim",
+        "model llama3-70b",
+        "endpoint openai-compat",
+    ]
+    model = ServedModel.objects.get()
+    assert model.default_profile.name == "vllm-tp2"
+    assert sorted(p.name for p in model.profiles.all()) == ["sim", "vllm-tp2"]
+    assert model.aliases == ["llama3"] and model.pinned and model.max_replicas == 3
+    profile = Profile.objects.get(name="vllm-tp2")
+    assert profile.env == {"HF_HOME": "/data/hf"} and profile.gpus_per_shard == 2
+    assert Endpoint.objects.get().weight == 3
+
+
+def test_importing_the_same_file_twice_changes_nothing_the_second_time() -> None:
+    catalog.import_yaml(CATALOG)
+    again = catalog.import_yaml(CATALOG)
+    assert again.created == [] and again.updated == []
+    assert len(again.unchanged) == 4
+
+
+def test_export_then_import_into_an_empty_catalog_gives_the_same_export() -> None:
+    catalog.import_yaml(CATALOG)
+    exported = catalog.export_yaml()
+    ServedModel.objects.all().delete()
+    Profile.objects.all().delete()
+    Endpoint.objects.all().delete()
+    catalog.import_yaml(exported)
+    assert catalog.export_yaml() == exported
+    assert yaml.safe_load(exported)["models"][0]["profiles"] == ["sim", "vllm-tp2"]
+
+
+def test_a_changed_field_or_profile_list_is_an_update() -> None:
+    catalog.import_yaml(CATALOG)
+    result = catalog.import_yaml(CATALOG.replace("max_replicas: 3", "max_replicas: 4"))
+    assert result.updated == ["model llama3-70b"]
+    assert ServedModel.objects.get().max_replicas == 4
+
+    only_sim = CATALOG.replace("max_replicas: 3", "max_replicas: 4").replace(
+        "profiles: [vllm-tp2, sim]", "profiles: [vllm-tp2]"
+    )
+    assert catalog.import_yaml(only_sim).updated == ["model llama3-70b"]
+    assert [p.name for p in ServedModel.objects.get().profiles.all()] == ["vllm-tp2"]
+
+
+def test_the_default_profile_is_always_among_a_models_profiles() -> None:
+    catalog.import_yaml(CATALOG.replace("profiles: [vllm-tp2, sim]", "profiles: [sim]"))
+    names = sorted(p.name for p in ServedModel.objects.get().profiles.all())
+    assert names == ["sim", "vllm-tp2"]
+
+
+def test_a_bad_entry_leaves_the_catalog_as_it_was() -> None:
+    catalog.import_yaml(CATALOG)
+    broken = CATALOG.replace("max_replicas: 3", "max_replicas: 5").replace(
+        "url: http://10.0.0.5:8000", "url: http://169.254.169.254/"
+    )
+    with pytest.raises(CatalogError, match=r"endpoint openai-compat: url: .*link-local"):
+        catalog.import_yaml(broken)
+    assert ServedModel.objects.get().max_replicas == 3
+    assert Endpoint.objects.get().url == "http://10.0.0.5:8000"
+
+
+def test_dry_run_writes_nothing() -> None:
+    result = catalog.import_yaml(CATALOG, dry_run=True)
+    assert len(result.created) == 4
+    assert not Profile.objects.exists() and not ServedModel.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("profiles: [{name: p, colour: red}]", "profile p: unknown field 'colour'"),
+        ("profiles: [{name: p, env: {'BAD NAME': x}}]", "profile p: env: .*invalid variable name"),
+        ("profiles: [{name: p, args: [1, 2]}]", "profile p: args: must be a list of strings"),
+        ("profiles: [{name: p, gpus_per_shard: lots}]", "profile p.gpus_per_shard: .*integer"),
+        ("profiles: [{engine: sim}]", r"profiles\[0\]: needs a 'name'"),
+        ("models: [{name: m, source: s}]", "model m: needs a 'default_profile'"),
+        (
+            "profiles: [{name: p}]\nmodels: [{name: m, source: s, default_profile: p, "
+            "min_replicas: 3, max_replicas: 1}]",
+            "model m: .*model_min_replicas_within_max",
+        ),
+        ("endpoints: [{id: e, url: 'file:///etc/passwd', models: [m]}]", "endpoint e: url"),
+        ("nodes: []", "unknown top-level keys: nodes"),
+        ("version: 2", "version 2 is not 1"),
+        ("- just a list", "must be a mapping"),
+        ("profiles: {name: p}", "profiles: must be a list of mappings"),
+        ("profiles: [name: p", "not valid YAML"),
+    ],
+)
+def test_bad_files_are_refused_with_a_message_naming_the_entry(text: str, message: str) -> None:
+    with pytest.raises(CatalogError, match=message):
+        catalog.import_yaml(text)
+    assert not Profile.objects.exists()
+
+
+def test_wire_problems_agree_with_what_the_agent_accepts() -> None:
+    ok = catalog.wire_problems(
+        args=["--port", "{port}"], env={"A_B": "1"}, health_path="/health", gpu_selector={}
+    )
+    assert ok == {}
+    bad = catalog.wire_problems(args=[], env={}, health_path="health", gpu_selector={})
+    assert "health_path" in bad
