@@ -106,6 +106,8 @@ class AgentSession:
         self.heartbeat_interval = float(settings.LLMGW_AGENT_HEARTBEAT_INTERVAL)
         self.resync_interval = float(settings.LLMGW_AGENT_RESYNC_INTERVAL)
         self.next_resync = math.inf
+        self.revision_poll = float(settings.LLMGW_AGENT_REVISION_POLL)
+        self.next_revision_poll = 0.0
         self.beats = Coalescer(nodes.heartbeat_write_interval(), clock)
         self.written = _Written(shards={})
         self.sent_revision: int | None = None
@@ -114,6 +116,10 @@ class AgentSession:
     @property
     def name(self) -> str:
         return self.identity.name
+
+    @property
+    def tick_interval(self) -> float:
+        return min(1.0, self.revision_poll) if self.revision_poll else 1.0
 
     # ----------------------------------------------------------------------- inbound
 
@@ -231,7 +237,8 @@ class AgentSession:
             self.sent_revision = desired.revision
 
     async def tick(self) -> None:
-        """Call about once a second: the hello deadline and the periodic resync."""
+        """Call often (every :attr:`tick_interval`): the hello deadline, the periodic
+        resync, and the revision poll."""
         if self.closed:
             return
         now = self.clock()
@@ -241,6 +248,18 @@ class AgentSession:
             return
         if now >= self.next_resync:
             await self.send_desired("resync")
+        elif self.revision_poll and now >= self.next_revision_poll:
+            self.next_revision_poll = now + self.revision_poll
+            await self._send_if_revised()
+
+    async def _send_if_revised(self) -> None:
+        """The nudge's stand-in where the channel layer cannot carry one across processes."""
+        try:
+            revision = await database_sync_to_async(nodes.desired_revision)(self.identity.id)
+        except DatabaseError:
+            return  # the resync retries; the agent keeps what it runs meanwhile
+        if revision is not None and revision != self.sent_revision:
+            await self.send_desired("revision change")
 
     async def fail(self, code: CloseCode, message: str) -> None:
         """Tell the agent why, then close with ``code``."""

@@ -163,10 +163,11 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
 
     async def _tick_loop(self) -> None:
         assert self.session is not None
-        rejoin_every = max(1, int(self.session.resync_interval))
+        interval = self.session.tick_interval
+        rejoin_every = max(1, int(self.session.resync_interval / interval))
         count = 0
         while not self.session.closed:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(interval)
             count += 1
             try:
                 await self.session.tick()

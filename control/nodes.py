@@ -452,6 +452,11 @@ def _record_node_report(node_id: int, name: str, report: NodeReport, now: dateti
 # --------------------------------------------------------------------------- desired state
 
 
+def desired_revision(node_id: int) -> int | None:
+    """The revision of a node's desired state (None: the node is gone)."""
+    return Node.objects.filter(pk=node_id).values_list("desired_revision", flat=True).first()
+
+
 def current_epoch() -> int:
     """The leader epoch desired state is stamped with (0 with leader election off)."""
     if not leases.election_enabled():

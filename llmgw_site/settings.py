@@ -228,6 +228,12 @@ LLMGW_AGENT_HEARTBEAT_INTERVAL: float = _read(
 LLMGW_AGENT_RESYNC_INTERVAL: float = _read(
     env_float, "LLMGW_AGENT_RESYNC_INTERVAL", 15.0, minimum=0.1
 )
+# Without Redis the channel layer is per process, so a nudge from the reconciler's worker
+# cannot reach the web process holding an agent's stream: that process then checks the node's
+# desired-state revision in the store this often (one indexed read per agent) instead.
+LLMGW_AGENT_REVISION_POLL: float = _read(
+    env_float, "LLMGW_AGENT_REVISION_POLL", 0.0 if REDIS_URL else 0.25
+)
 LLMGW_DRAIN_TIMEOUT: float = _read(env_float, "LLMGW_DRAIN_TIMEOUT", 60.0)
 # Relay deadlines (seconds); models may override each.
 LLMGW_CONNECT_TIMEOUT: float = _read(env_float, "LLMGW_CONNECT_TIMEOUT", 5.0, minimum=0.01)
