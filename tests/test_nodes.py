@@ -47,7 +47,10 @@ from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedMode
 from control.routing import websocket_urlpatterns
 from tests.conftest import FakeClock
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# Plain tests roll back (fast on PostgreSQL); tests whose work runs in another thread
+# (database_sync_to_async) or needs a real commit (on_commit nudges) truncate instead.
+db = pytest.mark.django_db
+committed = pytest.mark.django_db(transaction=True)
 
 NOW = timezone.now()
 
@@ -143,6 +146,7 @@ def test_a_replica_is_ready_only_when_every_shard_is(states: list[str], expected
 # --------------------------------------------------------------------------- tokens
 
 
+@db
 def test_a_token_authenticates_its_own_node_and_no_other() -> None:
     _, token_a = make_node("node-a")
     make_node("node-b")
@@ -155,6 +159,7 @@ def test_a_token_authenticates_its_own_node_and_no_other() -> None:
             nodes.authenticate(bad, "node-a")
 
 
+@db
 def test_tokens_are_kept_only_as_hashes_with_a_visible_prefix() -> None:
     node, token = make_node("n1")
     assert token.startswith("llmgw_node_") and len(token) > 50
@@ -165,6 +170,7 @@ def test_tokens_are_kept_only_as_hashes_with_a_visible_prefix() -> None:
     assert token not in dumped
 
 
+@db
 def test_a_reissued_token_replaces_the_old_one_and_revoking_ends_it() -> None:
     _, first = make_node("n1")
     second = nodes.issue_node_token("n1")
@@ -179,6 +185,7 @@ def test_a_reissued_token_replaces_the_old_one_and_revoking_ends_it() -> None:
     assert Event.objects.filter(subject="node/n1", message="node token revoked").exists()
 
 
+@db
 def test_issue_node_token_prints_once_or_writes_a_private_file(tmp_path: Path) -> None:
     out, err = StringIO(), StringIO()
     call_command("issue_node_token", "gpu-07", stdout=out, stderr=err)
@@ -193,6 +200,7 @@ def test_issue_node_token_prints_once_or_writes_a_private_file(tmp_path: Path) -
         nodes.authenticate(token, "gpu-07")  # the printed one was replaced
 
 
+@db
 def test_revoke_node_token_command_reports_what_it_did() -> None:
     make_node("n1")
     out = StringIO()
@@ -206,6 +214,7 @@ def test_revoke_node_token_command_reports_what_it_did() -> None:
 # --------------------------------------------------------------------------- health
 
 
+@db
 def test_refresh_marks_late_nodes_unreachable_then_lost(settings: Any) -> None:
     settings.LLMGW_UNREACHABLE_AFTER = 15
     settings.LLMGW_LOST_AFTER = 60
@@ -227,6 +236,7 @@ def test_refresh_marks_late_nodes_unreachable_then_lost(settings: Any) -> None:
     assert node.state == "lost"
 
 
+@db
 def test_a_heartbeat_brings_a_late_node_back_to_ready() -> None:
     node, _ = make_node("n1", health=Node.Health.UNREACHABLE, last_heartbeat_at=NOW)
     nodes.record_heartbeat(node.pk)
@@ -241,6 +251,7 @@ def test_a_heartbeat_brings_a_late_node_back_to_ready() -> None:
 # --------------------------------------------------------------------------- reports
 
 
+@db
 def test_hello_registers_the_node_and_its_gpus() -> None:
     node, _ = make_node("n1")
     Gpu.objects.create(node=node, index=5, memory_total_mib=1)  # a device no longer there
@@ -255,6 +266,7 @@ def test_hello_registers_the_node_and_its_gpus() -> None:
     assert Event.objects.filter(message__startswith="node agent restarted").exists()
 
 
+@db
 def test_status_updates_shards_and_their_replica() -> None:
     node, _ = make_node("n1")
     other, _ = make_node("n2")
@@ -298,6 +310,7 @@ def test_status_updates_shards_and_their_replica() -> None:
     assert Shard.objects.get(pk=foreign.pk).observed == "pending"
 
 
+@db
 def test_weights_refusals_and_stale_epochs_are_recorded_on_the_node() -> None:
     node, _ = make_node("n1")
     refused = WeightsReport("org/m", WeightsState.REFUSED, "refused: in use by shard(s) 3")
@@ -313,6 +326,7 @@ def test_weights_refusals_and_stale_epochs_are_recorded_on_the_node() -> None:
 # --------------------------------------------------------------------------- desired state
 
 
+@db
 def test_the_desired_state_is_read_in_full_from_the_database(settings: Any) -> None:
     settings.LLMGW_DRAIN_TIMEOUT = 42.0
     node, _ = make_node("n1", remove_weights=["org/old"])
@@ -342,6 +356,7 @@ def test_the_desired_state_is_read_in_full_from_the_database(settings: Any) -> N
     assert by_id[stopping.pk].state is DesiredShardState.STOPPED
 
 
+@db
 def test_the_desired_state_carries_the_leaders_epoch(election_on: Any) -> None:
     node, _ = make_node("n1")
     assert nodes.build_desired_state(node.pk).epoch == 0  # nobody ever led
@@ -349,6 +364,7 @@ def test_the_desired_state_carries_the_leaders_epoch(election_on: Any) -> None:
     assert nodes.build_desired_state(node.pk).epoch == 7
 
 
+@db
 def test_a_multi_node_shard_learns_where_its_head_is() -> None:
     head_node, _ = make_node("head", addresses=["10.0.0.1"])
     worker_node, _ = make_node("worker", addresses=["10.0.0.2"])
@@ -366,6 +382,7 @@ def test_a_multi_node_shard_learns_where_its_head_is() -> None:
     )
 
 
+@committed
 def test_a_nudge_bumps_the_revision_and_reaches_the_node_after_commit() -> None:
     node, _ = make_node("n1")
     layer = get_channel_layer()
@@ -382,6 +399,7 @@ def test_a_nudge_bumps_the_revision_and_reaches_the_node_after_commit() -> None:
     assert Node.objects.get(pk=node.pk).desired_revision == 1  # nothing sent, nothing bumped
 
 
+@committed
 def test_a_nudge_through_a_dead_channel_layer_fails_nobody(
     settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -413,6 +431,7 @@ class FakeTransport:
         self.closed = (code, reason)
 
 
+@committed
 async def test_the_session_coalesces_heartbeats_into_few_writes(
     fake_clock: FakeClock, settings: Any
 ) -> None:
@@ -436,6 +455,7 @@ async def test_the_session_coalesces_heartbeats_into_few_writes(
     assert transport.closed is None
 
 
+@committed
 async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock: FakeClock, settings: Any
 ) -> None:
@@ -488,6 +508,7 @@ async def token() -> AsyncIterator[str]:
     yield issued
 
 
+@committed
 async def test_the_stream_refuses_handshakes_without_a_valid_token(token: str) -> None:
     other = await database_sync_to_async(nodes.issue_node_token)("n2")
     for bearer, claimed in [
@@ -522,6 +543,7 @@ async def _closed_with(comm: WebsocketCommunicator) -> tuple[int, str]:
     return int(close["code"]), str(error["message"])
 
 
+@committed
 async def test_hello_is_answered_with_welcome_and_the_full_desired_state(token: str) -> None:
     node = await Node.objects.aget(name="n1")
     shard = await database_sync_to_async(make_replica)(node)
@@ -551,6 +573,7 @@ def _set_desired(replica_id: int, desired: str, node_id: int) -> None:
         nodes.nudge_node(node_id)
 
 
+@committed
 @pytest.mark.parametrize(
     ("frame", "code", "words"),
     [
@@ -576,6 +599,7 @@ async def test_bad_frames_are_answered_with_an_error_and_a_close_code(
     assert words in message
 
 
+@committed
 async def test_a_second_hello_on_one_stream_is_refused(token: str) -> None:
     comm = await _open(token)
     await comm.send_to(text_data=encode(hello()))
@@ -583,6 +607,7 @@ async def test_a_second_hello_on_one_stream_is_refused(token: str) -> None:
     assert (code, message) == (CloseCode.MALFORMED, "hello sent twice on one stream")
 
 
+@committed
 async def test_revoking_a_token_closes_its_open_stream(token: str) -> None:
     comm = await _open(token)
     assert await database_sync_to_async(nodes.revoke_node_token)("n1")
@@ -590,6 +615,7 @@ async def test_revoking_a_token_closes_its_open_stream(token: str) -> None:
     assert (code, message) == (CloseCode.UNAUTHORIZED, "this node's token was revoked")
 
 
+@committed
 async def test_a_newer_stream_of_a_node_closes_the_older_one(token: str) -> None:
     old = await _open(token)
     new = await _open(token)
