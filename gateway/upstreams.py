@@ -27,6 +27,7 @@ from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
 from control.models import Node, Profile, Replica, ServedModel, Shard
+from control.tasks import request_tick
 from gateway import routing
 from gateway.models import Endpoint
 
@@ -261,9 +262,14 @@ def write_stamps(demand: set[int], last_request: set[tuple[str, int]]) -> None:
     now = timezone.now()
     fresh = now - timedelta(seconds=STAMP_EVERY_S)
     if demand:
-        ServedModel.objects.filter(pk__in=demand).filter(
-            Q(demand_at__isnull=True) | Q(demand_at__lt=fresh)
-        ).update(demand_at=now)
+        recorded = (
+            ServedModel.objects.filter(pk__in=demand)
+            .filter(Q(demand_at__isnull=True) | Q(demand_at__lt=fresh))
+            .update(demand_at=now)
+        )
+        if recorded:
+            # Start the cold model on a tick now rather than at the next beat.
+            request_tick()
     models = [i for kind, i in last_request if kind == "model"]
     replicas = [i for kind, i in last_request if kind == "replica"]
     if models:

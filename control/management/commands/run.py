@@ -123,17 +123,9 @@ def agent_argv(control_plane: str, host: str, token_file: Path, agent_dir: Path)
 
 
 def celery_argv(*args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "celery",
-        "--quiet",
-        "-A",
-        "llmgw_site",
-        *args,
-        "--loglevel",
-        "warning",
-    ]
+    # Logging goes through Django's LOGGING (the worker does not hijack it): decisions at
+    # INFO, Celery's per-task lines turned down.
+    return [sys.executable, "-m", "celery", "--quiet", "-A", "llmgw_site", *args]
 
 
 class Command(BaseCommand):
