@@ -6,6 +6,7 @@ class ControlConfig(AppConfig):
     verbose_name = "Control plane"
 
     def ready(self) -> None:
-        from control import dbclock  # noqa: PLC0415 - apps are ready only now
+        from control import dbclock, weights  # noqa: PLC0415 - apps are ready only now
 
         dbclock.install()
+        weights.install()

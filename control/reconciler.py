@@ -27,7 +27,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import F
 from django.utils import timezone
 
-from control import leases, lifecycle, nodes, placement
+from control import leases, lifecycle, nodes, placement, weights
 from control.leases import Leadership, LeadershipLost
 from control.models import Event, Node, Replica, ServedModel, Shard
 
@@ -359,7 +359,23 @@ def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
     _finish_drains(lead, snapshot, result)
     for model in snapshot.models.values():
         _scale(lead, snapshot, model, result)
+    _settle_weight_removals(lead, snapshot, result)
     return result
+
+
+def _settle_weight_removals(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+    """Drop weight removals the agent finished, or that a re-added model cancels."""
+    sources = {model.source for model in snapshot.models.values()}
+    for node in snapshot.nodes.values():
+        keep = weights.settled_removals(node, sources)
+        if keep != node.remove_weights:
+            with leases.fenced(lead):
+                changed = Node.objects.filter(
+                    pk=node.pk, remove_weights=node.remove_weights
+                ).update(remove_weights=keep)
+                if changed:
+                    _touch_nodes([node.pk])
+                    result.changed += 1
 
 
 def _subject(snapshot: Snapshot, replica: ReplicaView) -> str:

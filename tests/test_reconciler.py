@@ -42,9 +42,8 @@ def make_model(
         shards_per_replica=shards,
         gpu_memory_mib=memory_gib * GIB,
     )
-    model = ServedModel.objects.create(
-        name=name, source=f"org/{name}", default_profile=profile, **fields
-    )
+    fields.setdefault("source", f"org/{name}")
+    model = ServedModel.objects.create(name=name, default_profile=profile, **fields)
     model.profiles.add(profile)
     return model
 
@@ -296,3 +295,37 @@ def test_with_leader_election_off_the_tick_needs_no_lease(settings: Any) -> None
     model = make_model("m", min_replicas=1)
     assert reconciler.Reconciler().run_once().placed == 1
     assert len(running(model)) == 1
+
+
+def test_deleting_a_model_asks_its_nodes_to_remove_its_weights_until_done(
+    lead: leases.Leadership,
+) -> None:
+    a = make_node("a", 80)
+    make_node("b", 80)
+    model = make_model("m", min_replicas=1)
+    make_model("other", min_replicas=0)
+    run_tick(lead)
+    assert model.replicas.get().shards.get().node_id == a.pk
+    model.delete()
+    assert Node.objects.get(name="a").remove_weights == ["org/m"]
+    assert Node.objects.get(name="b").remove_weights == [], "b never ran it"
+    assert Event.objects.filter(message__contains="weights org/m to be removed from a").exists()
+
+    run_tick(lead)
+    assert Node.objects.get(name="a").remove_weights == ["org/m"], "kept until the agent reports"
+    Node.objects.filter(name="a").update(weights_report=[{"name": "org/m", "state": "removed"}])
+    run_tick(lead)
+    assert Node.objects.get(name="a").remove_weights == []
+
+
+def test_a_model_re_added_with_the_same_source_cancels_the_removal(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", 80)
+    model = make_model("m", min_replicas=1)
+    run_tick(lead)
+    model.delete()
+    assert Node.objects.get(name="a").remove_weights == ["org/m"]
+    make_model("m2", source="org/m")
+    run_tick(lead)
+    assert Node.objects.get(name="a").remove_weights == []
