@@ -14,11 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
+from django.contrib.auth import get_user_model
 from django.db import connection
 from django.utils import timezone
 
 from control.models import Profile, Replica, ServedModel
+from gateway import keys
 from tests.cluster import (
     Cluster,
     InvariantChecker,
@@ -41,6 +44,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.e2e, pytest.m
 
 TTL = 3.0
 TICK = 0.5
+STARTUP = 1.0
 
 
 @pytest.fixture
@@ -52,10 +56,13 @@ def postgres_only() -> None:
         )
 
 
-def add_model(name: str, *, shards: int = 1, **fields: Any) -> ServedModel:
+def add_model(
+    name: str, *, shards: int = 1, args: list[str] | None = None, **fields: Any
+) -> ServedModel:
     profile = Profile.objects.create(
         name=f"{name}-sim",
         engine="sim",
+        args=args or [],
         gpus_per_shard=1,
         shards_per_replica=shards,
         startup_timeout_s=30,
@@ -106,6 +113,13 @@ def test_two_control_planes_place_once_fail_over_and_replace_a_lost_node(
     add_model("steady", min_replicas=2, max_replicas=2, idle_timeout_s=3600)
     add_model("wide", shards=2, min_replicas=1, max_replicas=1, idle_timeout_s=3600)
     add_model("zero", min_replicas=0, max_replicas=1)
+    add_model("cold", min_replicas=0, max_replicas=1, args=["--startup-delay", str(STARTUP)])
+    get_user_model().objects.create_user("client")
+    client = openai.OpenAI(
+        base_url=cluster.control_planes[0].url + "/v1",
+        api_key=keys.issue("client").key,
+        max_retries=0,
+    )
     checker = InvariantChecker(cluster)
     with checker.running():
         # [C1] two beats, two workers: placements converge once.
@@ -115,6 +129,17 @@ def test_two_control_planes_place_once_fail_over_and_replace_a_lost_node(
         time.sleep(4 * TICK)  # several more ticks from both beats change nothing
         assert Replica.objects.filter(model__name="steady").count() == 2
         assert Replica.objects.filter(model__name="wide").count() == 1
+
+        # Scale from zero through the gateway, with an engine that takes STARTUP to start.
+        started = time.monotonic()
+        stream = client.chat.completions.create(
+            model="cold", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        cold_first_token = next(
+            time.monotonic() - started for c in stream if c.choices and c.choices[0].delta.content
+        )
+        stream.close()
+        assert Replica.objects.filter(model__name="cold").count() == 1
 
         # [L2] kill -9 the leader's worker; a standby leads within TTL + a tick and places.
         leader = wait_until(lambda: leader_worker(cluster), 10, "a leader")
@@ -179,6 +204,8 @@ def test_two_control_planes_place_once_fail_over_and_replace_a_lost_node(
             f"\n[N1] agent killed: unreachable after {unreachable_after:.1f}s, replicas "
             f"replaced and ready after {replaced:.1f}s"
             f"\n[C1] invariant checks: {checker.checks}, violations: 0"
+            f"\n[scale from zero] first token after {cold_first_token:.2f}s with a "
+            f"{STARTUP:g}s engine start-up: overhead {cold_first_token - STARTUP:.2f}s"
         )
 
 
