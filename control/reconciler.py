@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
-from django.db.models import F
+from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
 from control import leases, lifecycle, nodes, placement, weights
@@ -92,9 +92,12 @@ def read_snapshot(now: datetime) -> Snapshot:
     }
     fleet = {n.pk: n for n in Node.objects.prefetch_related("gpus")}
     replicas: dict[int, ReplicaView] = {}
-    for replica in Replica.objects.exclude(
-        desired=Replica.Desired.STOPPED, observed__in=[Replica.Observed.STOPPED]
-    ).order_by("id"):
+    # Stopped replicas matter only while a shard may still run (its GPUs are not free yet).
+    live_shard = Shard.objects.filter(replica=OuterRef("pk"), observed__in=LIVE_SHARD_STATES)
+    current = Replica.objects.exclude(desired=Replica.Desired.STOPPED) | Replica.objects.filter(
+        Exists(live_shard)
+    )
+    for replica in current.order_by("id"):
         replicas[replica.pk] = ReplicaView(
             replica.pk,
             replica.model_id,
