@@ -73,7 +73,21 @@ _ERRORS: dict[int, Any] = {
 }
 
 
-def _body_doc(kind: str, *, streams: bool) -> dict[str, Any]:
+# One server-sent event, as OpenAPI 3.2 describes streams: a `data` line holding a JSON chunk
+# (or `[DONE]`), an optional event name (the Responses API names its events).
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "description": "A JSON chunk, or [DONE] at the end."},
+        "id": {"type": "string"},
+    },
+    "required": ["data"],
+}
+
+
+def _body_doc(kind: str, answer: type[BaseModel] | None = None) -> dict[str, Any]:
+    """The request body ninja cannot see, and for streaming routes both forms of the answer."""
     name = _REQUEST_MODELS[kind].__name__
     extra: dict[str, Any] = {
         "requestBody": {
@@ -81,12 +95,17 @@ def _body_doc(kind: str, *, streams: bool) -> dict[str, Any]:
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
         }
     }
-    if streams:
+    if answer is not None:
         extra["responses"] = {
             "200": {
-                "description": 'The result; with "stream": true, server-sent events ending '
-                "in `data: [DONE]`.",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                "description": 'The result; with "stream": true, server-sent events ending in '
+                "`data: [DONE]`.",
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{answer.__name__}"}
+                    },
+                    "text/event-stream": {"schema": _SSE_EVENT},
+                },
             }
         }
     return extra
@@ -146,7 +165,7 @@ async def _relay(request: HttpRequest, kind: str) -> HttpResponseBase:
 @api.post(
     "/chat/completions",
     response={200: schemas.ChatCompletion, **_ERRORS},
-    openapi_extra=_body_doc("chat", streams=True),
+    openapi_extra=_body_doc("chat", schemas.ChatCompletion),
     summary="Create a chat completion",
     tags=["generation"],
 )
@@ -157,7 +176,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
 @api.post(
     "/completions",
     response={200: schemas.Completion, **_ERRORS},
-    openapi_extra=_body_doc("completions", streams=True),
+    openapi_extra=_body_doc("completions", schemas.Completion),
     summary="Create a completion",
     tags=["generation"],
 )
@@ -168,7 +187,7 @@ async def completions(request: HttpRequest) -> HttpResponseBase:
 @api.post(
     "/embeddings",
     response={200: schemas.EmbeddingList, **_ERRORS},
-    openapi_extra=_body_doc("embeddings", streams=False),
+    openapi_extra=_body_doc("embeddings"),
     summary="Create embeddings",
     tags=["embeddings"],
 )
@@ -179,7 +198,7 @@ async def embeddings(request: HttpRequest) -> HttpResponseBase:
 @api.post(
     "/responses",
     response={200: schemas.ResponseObject, **_ERRORS},
-    openapi_extra=_body_doc("responses", streams=True),
+    openapi_extra=_body_doc("responses", schemas.ResponseObject),
     summary="Create a response",
     tags=["generation"],
 )
@@ -190,7 +209,7 @@ async def responses(request: HttpRequest) -> HttpResponseBase:
 @api.post(
     "/rerank",
     response={200: schemas.RerankResult, **_ERRORS},
-    openapi_extra=_body_doc("rerank", streams=False),
+    openapi_extra=_body_doc("rerank"),
     summary="Rerank documents",
     tags=["rerank"],
 )

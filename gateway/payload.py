@@ -118,7 +118,8 @@ def with_include_usage(body: bytes, data: dict[str, Any]) -> bytes:
         start = body.find(b"{")
         return body[: start + 1] + _INCLUDE_USAGE + body[start + 1 :]
     merged = dict(data)
-    merged["stream_options"] = {**data["stream_options"], "include_usage": True}
+    # "stream_options": null is as good as absent (and must not be spread).
+    merged["stream_options"] = {**(data["stream_options"] or {}), "include_usage": True}
     return json.dumps(merged, separators=(",", ":"), ensure_ascii=False).encode()
 
 

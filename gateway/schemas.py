@@ -34,7 +34,9 @@ class StreamOptions(_Open):
 
 
 class _GenerationRequest(_Open):
-    model: str = Field(description="A model name, alias, or name@profile from GET /v1/models.")
+    model: str = Field(
+        min_length=1, description="A model name, alias, or name@profile from GET /v1/models."
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=0)
@@ -56,19 +58,19 @@ class CompletionRequest(_GenerationRequest):
 
 
 class EmbeddingRequest(_Open):
-    model: str
+    model: str = Field(min_length=1)
     input: str | list[str] | list[int] | list[list[int]]
 
 
 class ResponsesRequest(_Open):
-    model: str
+    model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     stream: bool | None = False
     max_output_tokens: int | None = Field(None, ge=0)
 
 
 class RerankRequest(_Open):
-    model: str
+    model: str = Field(min_length=1)
     query: str
     documents: list[str] | list[dict[str, Any]]
     top_n: int | None = Field(None, ge=0)

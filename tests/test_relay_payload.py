@@ -40,6 +40,11 @@ def test_a_stream_with_its_own_options_keeps_them_and_adds_include_usage() -> No
     }
 
 
+def test_null_stream_options_are_replaced_not_spread() -> None:
+    seen = inspect({"model": "m", "stream": True, "stream_options": None, "prompt": ""})
+    assert json.loads(seen.forward_body)["stream_options"] == {"include_usage": True}
+
+
 def test_a_client_that_asked_for_usage_is_forwarded_as_is() -> None:
     raw = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True}})
     seen = payload.inspect(raw.encode(), "chat", max_items=100)
