@@ -144,8 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="on SIGTERM, exit without stopping shards; the next agent adopts them",
     )
-    add("--backoff-base", type=_positive, default=0.5, help="first reconnect delay, seconds")
-    add("--backoff-max", type=_positive, default=30.0, help="longest reconnect delay, seconds")
+    add(
+        "--backoff-base",
+        type=_positive,
+        default=0.5,
+        help="first reconnect delay, seconds (default %(default)s)",
+    )
+    add(
+        "--backoff-max",
+        type=_positive,
+        default=5.0,
+        help="longest reconnect delay, seconds; keep it well under the control plane's "
+        "unreachable threshold, or a control-plane restart makes nodes look unreachable "
+        "(default %(default)s)",
+    )
     add(
         "--ping-timeout",
         type=_positive,

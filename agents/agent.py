@@ -71,7 +71,7 @@ class ConnectionConfig:
     addresses: tuple[str, ...] = ()
     port_range: tuple[int, int] | None = None
     backoff_base: float = 0.5
-    backoff_max: float = 30.0
+    backoff_max: float = 5.0
     open_timeout: float = 10.0
     hello_timeout: float = 10.0
     # WebSocket pings find a half-open connection to the control plane (no FIN, no RST).
@@ -182,12 +182,15 @@ class Agent:
                 exc = task.exception()
                 if exc is not None and not isinstance(exc, ConnectionClosed):
                     raise exc
-            logger.warning(
-                "control plane %s closed the stream (code %s%s)",
-                url,
-                ws.close_code,
-                f": {ws.close_reason}" if ws.close_reason else "",
-            )
+            if ws.close_code in (None, 1006):
+                logger.warning("stream to %s lost (no close frame)", url)
+            else:
+                logger.warning(
+                    "control plane %s closed the stream (code %s%s)",
+                    url,
+                    ws.close_code,
+                    f": {ws.close_reason}" if ws.close_reason else "",
+                )
             return True
 
     async def _handshake(self, ws: ClientConnection) -> Welcome | None:
