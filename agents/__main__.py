@@ -233,6 +233,7 @@ def prepare(args: argparse.Namespace) -> Plan:
         connection=ConnectionConfig(
             urls=urls,
             token=token,
+            token_file=args.token_file,
             node=args.node,
             addresses=tuple(addresses),
             port_range=args.port_range,

@@ -15,6 +15,7 @@ import random
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
@@ -68,6 +69,9 @@ class ConnectionConfig:
     urls: tuple[str, ...]
     token: str
     node: str
+    # Read again before each connection attempt, so a re-issued token written to the token
+    # file takes effect without restarting the agent (and its shards).
+    token_file: Path | None = None
     addresses: tuple[str, ...] = ()
     port_range: tuple[int, int] | None = None
     backoff_base: float = 0.5
@@ -138,8 +142,19 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
 
+    def _token(self) -> str:
+        path = self.config.token_file
+        if path is None:
+            return self.config.token
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            logger.warning("cannot read %s (%s); using the token read before", path, exc)
+            return self.config.token
+        return token or self.config.token
+
     async def _connect(self, url: str, stop: asyncio.Event) -> bool:
-        headers = {"Authorization": f"Bearer {self.config.token}", NODE_HEADER: self.config.node}
+        headers = {"Authorization": f"Bearer {self._token()}", NODE_HEADER: self.config.node}
         async with connect(
             url,
             additional_headers=headers,

@@ -475,6 +475,16 @@ def test_bad_tokens_are_refused_at_the_handshake_and_revocation_ends_a_stream(
     assert cluster.shard_pids("n2") == {shard.pk: pid}
     assert chat(shard.port, max_tokens=1).choices
 
+    # A new token in the agent's token file lets it back in, with no restart of anything.
+    cluster.token_file("n2").write_text(nodes.issue_node_token("n2"))
+    wait_for(
+        lambda: agent.count("connected to ws://") == 2,
+        what="the agent back in with its new token",
+        logs=[agent],
+    )
+    assert agent.running() and cluster.shard_pids("n2") == {shard.pk: pid}
+    assert observed(shard) == "ready"
+
 
 # --------------------------------------------------------------------------- bad frames
 
