@@ -93,14 +93,17 @@ class Proc:
         self.process.send_signal(sig)
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(timeout)
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+        assert_no_secrets(self.name, self.output())
+        return self.process.returncode
 
     def wait(self, timeout: float = 15.0) -> int:
         assert self.process is not None
@@ -156,12 +159,25 @@ def start_web(tmp: Path, **settings: str) -> Proc:
 # --- rows ----------------------------------------------------------------------------------
 
 
+# Every key the tests issued, so that every process's log can be searched for them (G15).
+ISSUED: list[str] = []
+
+
 def make_key(username: str = "alice", **kwargs: Any) -> tuple[str, ApiKey]:
     user_model = get_user_model()
     if not user_model.objects.filter(username=username).exists():
         user_model.objects.create_user(username=username)
     issued = keys.issue(username, **kwargs)
+    ISSUED.append(issued.key)
     return issued.key, issued.api_key
+
+
+def assert_no_secrets(name: str, log: str) -> None:
+    """G15: no key (whole, or its secret part), bearer header or Authorization value in a log."""
+    leaked = [k[:14] + "…" for k in ISSUED if k in log or k[14:] in log]
+    assert not leaked, f"{name} logged API keys: {leaked}"
+    for marker in ("Bearer ", "Authorization:", "authorization:"):
+        assert marker not in log, f"{name} logged {marker!r}"
 
 
 @dataclass
