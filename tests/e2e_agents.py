@@ -146,32 +146,39 @@ class Cluster:
     port: int = field(default_factory=free_port)
     daphne: Proc | None = None
     agents: dict[str, Proc] = field(default_factory=dict)
+    others: list[Proc] = field(default_factory=list)  # more web processes
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start_daphne(self, **env: str) -> Proc:
+    def start_daphne(self, *, port: int | None = None, **env: str) -> Proc:
+        """Start the web process (on the cluster's port, or another for a second one)."""
+        port = port or self.port
         merged = child_env(
             REDIS_URL=self.redis_url,
             LLMGW_VAR_DIR=str(self.root / "var"),
             **{**self.daphne_env, **env},
         )
-        self.daphne = Proc(
-            "daphne",
-            [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(self.port),
+        proc = Proc(
+            f"daphne:{port}",
+            [str(BIN / "daphne"), "-b", "127.0.0.1", "-p", str(port),
              "llmgw_site.asgi:application"],
             merged,
-            self.root / "daphne.log",
+            self.root / f"daphne-{port}.log",
         ).start()  # fmt: skip
         wait_for(
-            lambda: port_open(self.port) or not self.daphne or not self.daphne.running(),
+            lambda: port_open(port) or not proc.running(),
             timeout=30,
             what="daphne listening",
-            logs=[self.daphne],
+            logs=[proc],
         )
-        assert self.daphne.running(), self.daphne.tail()
-        return self.daphne
+        assert proc.running(), proc.tail()
+        if port == self.port:
+            self.daphne = proc
+        else:
+            self.others.append(proc)
+        return proc
 
     def stop_daphne(self) -> None:
         if self.daphne is not None:
@@ -186,12 +193,14 @@ class Cluster:
     def token_file(self, node: str) -> Path:
         return self.root / node / "token"
 
-    def start_agent(self, node: str, *extra: str, gpus: str = "2x80GiB") -> Proc:
+    def start_agent(
+        self, node: str, *extra: str, gpus: str = "2x80GiB", urls: Sequence[str] = ()
+    ) -> Proc:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_", "LLMGW_"))}
         proc = Proc(
             f"agent {node}",
             [sys.executable, "-m", "agents",
-             "--control-plane", self.url,
+             *[a for u in (urls or [self.url]) for a in ("--control-plane", u)],
              "--token-file", str(self.token_file(node)),
              "--node", node,
              "--advertise-address", "127.0.0.1",
@@ -212,7 +221,7 @@ class Cluster:
         return proc
 
     def processes(self) -> list[Proc]:
-        return [p for p in [self.daphne, *self.agents.values()] if p is not None]
+        return [p for p in [self.daphne, *self.others, *self.agents.values()] if p is not None]
 
     def shard_pids(self, node: str) -> dict[int, int]:
         """Shard id → engine pid, from the agent's own record of what it runs."""
@@ -230,6 +239,8 @@ class Cluster:
         for agent in self.agents.values():
             agent.stop()
         self.stop_daphne()
+        for other in self.others:
+            other.stop()
         # Engines of an agent that was killed outlive it (on purpose); end them here.
         for node in self.agents:
             for pid in self.shard_pids(node).values():

@@ -308,6 +308,64 @@ def test_a_killed_agent_is_unreachable_then_lost_and_its_successor_adopts_the_sh
     assert observed(shard) == "ready"
 
 
+def test_an_agent_fails_over_between_control_planes(cluster: Cluster) -> None:
+    """Agents are given several control-plane addresses and use whichever answers; any web
+    process can hold any agent's stream, because everything it sends comes from the store."""
+    shard = place("n1")
+    wait_observed(cluster, shard, "ready")
+    cluster.agents["n1"].stop()  # its shard stops with it; the new agent starts it again
+    standby_port = free_port()
+    agent = cluster.start_agent(
+        "n1", urls=[f"http://127.0.0.1:{standby_port}", cluster.url]
+    )  # the first address has nobody behind it yet
+    wait_for(lambda: f"connected to ws://127.0.0.1:{cluster.port}/" in agent.log(), logs=[agent])
+    assert f"cannot reach ws://127.0.0.1:{standby_port}/agents/stream" in agent.log()
+    wait_observed(cluster, shard, "ready")
+    pid = cluster.shard_pids("n1")[shard.pk]
+
+    standby = cluster.start_daphne(port=standby_port)
+    cluster.stop_daphne()
+    wait_for(
+        lambda: f"connected to ws://127.0.0.1:{standby_port}/" in agent.log(),
+        what="failover to the standby",
+        logs=[agent, standby],
+    )
+    moved = place("n1", model="m2")  # delivered by the standby's stream
+    wait_observed(cluster, moved, "ready")
+    assert "node n1: sent desired state revision" in standby.log()
+    assert cluster.shard_pids("n1")[shard.pk] == pid
+
+
+def test_sigterm_stops_the_agent_cleanly_with_or_without_its_shards(cluster: Cluster) -> None:
+    """SIGTERM: the agent stops its shards and exits 0; with --leave-shards-running it exits 0
+    and leaves them for its successor."""
+    shard = place("n2")
+    wait_observed(cluster, shard, "ready")
+    pid = cluster.shard_pids("n2")[shard.pk]
+    assert cluster.agents["n2"].stop() == 0
+    assert f"shard {shard.pk} stopped" in cluster.agents["n2"].log()
+    wait_for(lambda: not _alive(pid), what="the engine stopped with its agent")
+
+    keeper = cluster.start_agent("n2", "--leave-shards-running")
+    wait_for(lambda: cluster.shard_pids("n2").get(shard.pk), what="restarted", logs=[keeper])
+    pid = cluster.shard_pids("n2")[shard.pk]
+    wait_observed(cluster, shard, "ready")
+    assert keeper.stop() == 0
+    assert "leaving 1 shard(s) running for the next agent" in keeper.log()
+    assert _alive(pid) and chat(shard.port, max_tokens=1).choices
+    successor = cluster.start_agent("n2")
+    wait_for(lambda: f"adopted shard {shard.pk}" in successor.log(), logs=[successor])
+    assert cluster.shard_pids("n2") == {shard.pk: pid}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 # --------------------------------------------------------------------------- fencing
 
 
