@@ -279,14 +279,19 @@ async def run(plan: Plan) -> int:
         plan.supervisor.launch.weights_dir,
     )
     supervisor.recover()
-    link = asyncio.create_task(agent.run(stop))
+    disconnect = asyncio.Event()
+    link = asyncio.create_task(agent.run(disconnect))
     await stop.wait()
     logger.info("shutting down%s", " (leaving shards running)" if plan.leave_shards_running else "")
+    # Shards first, while the stream is still up, so the control plane hears that they
+    # stopped (and the gateway stops routing to them) instead of waiting for a timeout.
+    await supervisor.shutdown(leave_running=plan.leave_shards_running)
+    await agent.report_now()
+    disconnect.set()
     try:
         await asyncio.wait_for(link, timeout=5)
     except TimeoutError:
         logger.warning("the control-plane link did not close in time")
-    await supervisor.shutdown(leave_running=plan.leave_shards_running)
     logger.info("agent stopped")
     return 0
 

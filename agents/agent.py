@@ -98,6 +98,7 @@ class Agent:
         self.rand = rand
         self.boot_id = uuid.uuid4().hex
         self.connections = 0
+        self._ws: ClientConnection | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Stay connected to some control plane until ``stop`` is set."""
@@ -142,6 +143,14 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
 
+    async def report_now(self) -> None:
+        """Send a full status at once if connected (the last word before shutting down)."""
+        ws = self._ws
+        if ws is None:
+            return
+        with contextlib.suppress(ConnectionClosed, OSError):
+            await asyncio.wait_for(ws.send(encode(self.supervisor.status())), timeout=2)
+
     def _token(self) -> str:
         path = self.config.token_file
         if path is None:
@@ -170,6 +179,7 @@ class Agent:
             if welcome is None:
                 return False
             self.connections += 1
+            self._ws = ws
             logger.info(
                 "connected to %s as node %s (heartbeat every %gs)",
                 url,
@@ -187,6 +197,7 @@ class Agent:
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                self._ws = None
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)

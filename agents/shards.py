@@ -263,6 +263,8 @@ class Supervisor:
 
     def apply(self, desired: DesiredState) -> bool:
         """Take a full desired state; False (and counted) when a deposed leader sent it."""
+        if self._closing:
+            return False  # shutting down: start nothing new
         if desired.epoch < self.highest_epoch:
             self.stale_rejected += 1
             logger.warning(

@@ -320,8 +320,8 @@ def test_an_agent_fails_over_between_control_planes(cluster: Cluster) -> None:
     )  # the first address has nobody behind it yet
     wait_for(lambda: f"connected to ws://127.0.0.1:{cluster.port}/" in agent.log(), logs=[agent])
     assert f"cannot reach ws://127.0.0.1:{standby_port}/agents/stream" in agent.log()
+    pid = wait_for(lambda: cluster.shard_pids("n1").get(shard.pk), what="restarted", logs=[agent])
     wait_observed(cluster, shard, "ready")
-    pid = cluster.shard_pids("n1")[shard.pk]
 
     standby = cluster.start_daphne(port=standby_port)
     cluster.stop_daphne()
@@ -344,7 +344,8 @@ def test_sigterm_stops_the_agent_cleanly_with_or_without_its_shards(cluster: Clu
     pid = cluster.shard_pids("n2")[shard.pk]
     assert cluster.agents["n2"].stop() == 0
     assert f"shard {shard.pk} stopped" in cluster.agents["n2"].log()
-    wait_for(lambda: not _alive(pid), what="the engine stopped with its agent")
+    assert not _alive(pid)
+    assert observed(shard) == "stopped"  # reported before the stream closed
 
     keeper = cluster.start_agent("n2", "--leave-shards-running")
     wait_for(lambda: cluster.shard_pids("n2").get(shard.pk), what="restarted", logs=[keeper])
