@@ -8,7 +8,6 @@ in the response to the form that made it, and stored nowhere but as a hash.
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 
 from django import forms
@@ -30,7 +29,7 @@ LOGIN_URL = "/account/login/"
 # thousands. Revoked keys do not count.
 MAX_ACTIVE_KEYS = 20
 CHART_DAYS = 30
-RECENT_ROWS = 50
+RECENT_ROWS = 25
 
 
 class NewKeyForm(forms.Form):
@@ -69,7 +68,7 @@ def overview(request: HttpRequest) -> HttpResponse:
             own_usage.filter(started_at__gte=timezone.now() - timedelta(days=CHART_DAYS)),
             "model",
         ),
-        "chart": json.dumps(chart),
+        "chart": chart,
         "chart_days": CHART_DAYS,
         "max_keys": MAX_ACTIVE_KEYS,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -121,6 +122,12 @@ def test_the_account_page_shows_only_the_users_own_keys_and_usage() -> None:
     assert alices.prefix in page and "alice-laptop" in page and "alice-model" in page
     assert bobs.prefix not in page
     assert "bob-secret-project" not in page and "bob-model" not in page
+
+    chart = re.search(r'<script id="lg-usage-data" type="application/json">(.*?)</script>', page)
+    assert chart is not None
+    data = json.loads(chart.group(1))
+    assert len(data["labels"]) == len(data["tokens"]) == 30
+    assert data["tokens"][-1] == 111 + 20 and data["requests"][-1] == 1  # hers only, today
 
     csv = streamed(client.get("/account/usage.csv"))
     assert "alice-model" in csv and "bob-model" not in csv and bobs.prefix not in csv

@@ -275,17 +275,19 @@ def test_promtool_accepts_a_scrape_with_every_family_populated(token: str) -> No
 
 @pytest.fixture
 def two_web_processes(tmp_path: Path, transactional_db: Any) -> Iterator[tuple[Proc, Proc, Proc]]:
-    sim = start_sim(tmp_path, ["metrics-chat"])
     shared = tmp_path / "prometheus"
     shared.mkdir()
     env = {"PROMETHEUS_MULTIPROC_DIR": str(shared), "LLMGW_METRICS_TOKEN": TOKEN}
-    webs = []
-    for i in range(2):
-        (tmp_path / f"w{i}").mkdir()
-        webs.append(start_web(tmp_path / f"w{i}", **env))
-    yield sim, webs[0], webs[1]
-    for proc in (*webs, sim):
-        proc.stop()
+    started: list[Proc] = []
+    try:
+        started.append(start_sim(tmp_path, ["metrics-chat"]))
+        for i in range(2):
+            (tmp_path / f"w{i}").mkdir()
+            started.append(start_web(tmp_path / f"w{i}", **env))
+        yield started[0], started[1], started[2]
+    finally:
+        for proc in reversed(started):
+            proc.stop()
 
 
 def listed(client: openai.OpenAI) -> bool:

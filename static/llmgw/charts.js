@@ -9,8 +9,12 @@
 (function (global) {
   const SVG = "http://www.w3.org/2000/svg";
   const PALETTE = ["#2f7ebc", "#e07b24", "#3a9d5d", "#c23b4e", "#7b5ea7", "#a0772d", "#d160a6", "#6b7a8f"];
-  const W = 480;
   const H = 170;
+  // Drawn at the container's own width, so text stays its real size on a phone and a laptop.
+  let W = 480;
+  function fit(container) {
+    W = Math.max(280, Math.round(container.clientWidth || 480));
+  }
   const PAD = { left: 44, right: 8, top: 10, bottom: 22 };
 
   function el(name, attrs, parent) {
@@ -56,16 +60,17 @@
     });
   }
 
-  function legend(container, names) {
+  function legend(container, series) {
     const list = document.createElement("ul");
     list.className = "lg-legend";
-    names.forEach((name, i) => {
+    series.forEach((s, i) => {
       const item = document.createElement("li");
       const swatch = document.createElement("span");
-      swatch.className = "lg-swatch";
-      swatch.style.background = color(i);
+      swatch.className = s.dashed ? "lg-swatch lg-swatch-dashed" : "lg-swatch";
+      swatch.style.borderColor = swatch.style.background = color(s.color ?? i);
+      if (s.dashed) swatch.style.background = "none";
       item.appendChild(swatch);
-      item.appendChild(document.createTextNode(name));
+      item.appendChild(document.createTextNode(s.name));
       list.appendChild(item);
     });
     container.appendChild(list);
@@ -79,8 +84,10 @@
   }
 
   /* Lines over equally spaced points; a null value leaves a gap.
-   * spec: {series: [{name, values}], xLabels: [[fraction, text]], unit, emptyText} */
+   * spec: {series: [{name, values, color?, dashed?}], xLabels: [[fraction, text]], emptyText}
+   * (color: a palette index, so related series can share one) */
   function lines(container, spec) {
+    fit(container);
     container.replaceChildren();
     const all = spec.series.flatMap((s) => s.values.filter((v) => v !== null));
     if (!all.length || all.every((v) => v === 0 && spec.hideZero)) {
@@ -94,15 +101,18 @@
     const plotW = W - PAD.left - PAD.right;
     const plotH = H - PAD.top - PAD.bottom;
     spec.series.forEach((series, i) => {
+      const stroke = color(series.color ?? i);
       const n = series.values.length;
       const step = n > 1 ? plotW / (n - 1) : 0;
       let points = [];
       const flush = () => {
         if (points.length === 1) {
           const [x, y] = points[0].split(",");
-          el("circle", { cx: x, cy: y, r: 2, fill: color(i) }, svg);
+          el("circle", { cx: x, cy: y, r: 2, fill: stroke }, svg);
         } else if (points.length > 1) {
-          el("polyline", { points: points.join(" "), stroke: color(i), class: "lg-line" }, svg);
+          const attrs = { points: points.join(" "), stroke: stroke, class: "lg-line" };
+          if (series.dashed) attrs["stroke-dasharray"] = "5 3";
+          el("polyline", attrs, svg);
         }
         points = [];
       };
@@ -115,11 +125,12 @@
       flush();
     });
     container.appendChild(svg);
-    legend(container, spec.series.map((s) => s.name));
+    legend(container, spec.series);
   }
 
   /* Vertical bars, one per label. spec: {values, labels, title, every} */
   function bars(container, spec) {
+    fit(container);
     container.replaceChildren();
     const max = niceMax(Math.max(0, ...spec.values));
     const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, class: "lg-chart", role: "img" });
@@ -128,7 +139,9 @@
     const every = spec.every || Math.ceil(n / 6);
     const xLabels = [];
     spec.labels.forEach((label, i) => {
-      if (i % every === 0 || i === n - 1) xLabels.push([n > 1 ? i / (n - 1) : 0, label]);
+      // The last bar is always labelled; a regular label too close before it is dropped.
+      const last = i === n - 1;
+      if ((i % every === 0 && n - 1 - i >= every / 2) || last) xLabels.push([n > 1 ? i / (n - 1) : 0, label]);
     });
     frame(svg, max, xLabels);
     const plotW = W - PAD.left - PAD.right;

@@ -17,6 +17,7 @@
   const $ = (id) => document.getElementById(id);
   let timer = null;
   let busy = false;
+  let last = null;
 
   function node(tag, attrs, ...children) {
     const element = document.createElement(tag);
@@ -78,20 +79,28 @@
     );
   }
 
+  /* A GPU is given whole to one shard, so the bar shows the allocation (all of the GPU, in
+   * colour, or none of it) and, darker inside it, the memory the agent last saw in use. */
   function gpuRow(gpu) {
     const used = gpu.memory_total_mib ? Math.min(100, (100 * gpu.memory_used_mib) / gpu.memory_total_mib) : 0;
-    const fill = node("span", { class: gpu.allocated_to ? "lg-fill lg-allocated" : "lg-fill lg-free" });
-    fill.style.width = `${used.toFixed(1)}%`;
+    const bar = node("span", {
+      class: gpu.allocated_to ? "lg-bar lg-allocated" : "lg-bar",
+      title: `${gpu.allocated_to ? "allocated to " + gpu.allocated_to : "free"}; ${gib(gpu.memory_used_mib)} of ${gib(gpu.memory_total_mib)} in use`,
+    });
+    const usedFill = node("span", { class: "lg-used" });
+    usedFill.style.width = `${used.toFixed(1)}%`;
+    bar.appendChild(usedFill);
     return node(
       "li",
       { class: "lg-gpu" },
-      node("span", { class: "lg-gpu-name" }, `GPU ${gpu.index}`, gpu.model ? node("small", {}, ` ${gpu.model}`) : null),
-      node("span", { class: "lg-bar", title: `${gib(gpu.memory_used_mib)} of ${gib(gpu.memory_total_mib)} in use` }, fill),
+      node("span", { class: "lg-gpu-name" }, `GPU ${gpu.index}`),
+      bar,
       node(
         "span",
         { class: "lg-gpu-use" },
         gpu.allocated_to ? node("span", { class: "lg-holder" }, gpu.allocated_to) : node("span", { class: "lg-quiet" }, "free"),
-        ` ${gib(gpu.memory_used_mib)} / ${gib(gpu.memory_total_mib)}`,
+        ` · ${gib(gpu.memory_used_mib)} / ${gib(gpu.memory_total_mib)} used`,
+        gpu.model ? node("span", { class: "lg-quiet" }, ` · ${gpu.model}`) : null,
       ),
     );
   }
@@ -144,11 +153,11 @@
       node(
         "tr",
         {},
-        node("th", { scope: "row" }, m.name, m.pinned ? node("small", { class: "lg-quiet" }, " pinned") : null),
+        node("th", { scope: "row", class: "lg-name" }, m.name, m.pinned ? node("small", { class: "lg-quiet" }, " pinned") : null),
         node("td", { class: "lg-num" }, `${m.ready} / ${m.desired}`),
-        node("td", { class: "lg-num lg-quiet" }, `${m.min_replicas}–${m.max_replicas}`),
+        node("td", { class: "lg-num lg-quiet lg-hide-narrow" }, `${m.min_replicas}–${m.max_replicas}`),
         node("td", {}, modelStatus(m)),
-        node("td", { class: "lg-quiet" }, age(m.last_request_age_s)),
+        node("td", { class: "lg-quiet lg-hide-narrow" }, age(m.last_request_age_s)),
       ),
     );
     box.replaceChildren(
@@ -158,7 +167,15 @@
         node(
           "thead",
           {},
-          node("tr", {}, node("th", {}, "model"), node("th", {}, "ready / desired"), node("th", {}, "min–max"), node("th", {}, "status"), node("th", {}, "last request")),
+          node(
+            "tr",
+            {},
+            node("th", {}, "model"),
+            node("th", { class: "lg-num" }, "ready"),
+            node("th", { class: "lg-num lg-hide-narrow" }, "min–max"),
+            node("th", {}, "status"),
+            node("th", { class: "lg-hide-narrow" }, "last request"),
+          ),
         ),
         node("tbody", {}, rows),
       ),
@@ -179,9 +196,10 @@
       if (key) {
         series = names.map((name) => ({ name: name, values: traffic.models[name][key] }));
       } else {
-        series = names.flatMap((name) => [
-          { name: `${name} p50`, values: traffic.models[name].ttft_p50_ms },
-          { name: `${name} p95`, values: traffic.models[name].ttft_p95_ms },
+        // One colour per model, as in the other charts; p95 dashed.
+        series = names.flatMap((name, i) => [
+          { name: `${name} p50`, values: traffic.models[name].ttft_p50_ms, color: i },
+          { name: `${name} p95`, values: traffic.models[name].ttft_p95_ms, color: i, dashed: true },
         ]);
       }
       charts.lines($(id), { series: series, xLabels: xLabels, title: title, emptyText: "no requests in the last hour" });
@@ -219,6 +237,7 @@
   }
 
   function render(data) {
+    last = data;
     renderSummary(data);
     renderLease(data.lease);
     renderNodes(data.nodes);
@@ -247,6 +266,13 @@
     busy = false;
     if (!document.hidden) timer = setTimeout(poll, interval);
   }
+
+  // Charts are drawn at their container's width: redraw them when it changes.
+  let resizing = null;
+  window.addEventListener("resize", () => {
+    clearTimeout(resizing);
+    resizing = setTimeout(() => last && renderTraffic(last.traffic), 150);
+  });
 
   document.addEventListener("visibilitychange", () => {
     if (!document.hidden && timer === null && !busy) poll();
