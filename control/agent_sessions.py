@@ -37,6 +37,7 @@ from agents.protocol import (
     encode,
 )
 from control import nodes
+from control.models import Node
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,11 @@ class AgentSession:
                 CloseCode.FORBIDDEN,
                 f"this stream is authenticated as node {self.identity.name!r}, not {hello.node!r}",
             )
-        await database_sync_to_async(nodes.register_hello)(self.identity.id, hello)
+        try:
+            await database_sync_to_async(nodes.register_hello)(self.identity.id, hello)
+        except Node.DoesNotExist:
+            # Deleted between the handshake and hello: its token went with it.
+            raise ProtocolError(CloseCode.UNAUTHORIZED, "this node no longer exists") from None
         self.hello = hello
         self.beats.due()  # register_hello wrote the heartbeat
         await self.transport.send_text(

@@ -476,6 +476,17 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     assert json.loads(transport.sent[-1])["type"] == "desired" and len(transport.sent) == 3
 
 
+@committed
+async def test_a_node_deleted_after_its_handshake_is_refused_at_hello() -> None:
+    node, _ = await database_sync_to_async(make_node)("n1")
+    await Node.objects.filter(pk=node.pk).adelete()
+    transport = FakeTransport()
+    session = AgentSession(nodes.NodeIdentity(node.pk, "n1"), transport)
+    await session.receive(encode(hello()))
+    assert transport.closed is not None and transport.closed[0] == CloseCode.UNAUTHORIZED
+    assert json.loads(transport.sent[-1])["message"] == "this node no longer exists"
+
+
 async def test_a_session_without_hello_is_closed_after_the_deadline(
     fake_clock: FakeClock,
 ) -> None:
