@@ -7,6 +7,7 @@ the only copy outside the owner's hands is its SHA-256. Afterwards the admin sho
 
 from __future__ import annotations
 
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -18,7 +19,9 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
+from django.utils import timezone
 
+from control.models import ServedModel
 from gateway import keys, reports
 from gateway.models import ApiKey, Endpoint, UsageRecord
 
@@ -155,6 +158,77 @@ class EndpointAdmin(admin.ModelAdmin[Endpoint]):
     search_fields = ["slug", "url"]
 
 
+# Usage filters offer their choices without scanning the usage table (which grows by a row per
+# request): keys, catalog models and recent days come from small tables or the calendar.
+
+
+class KeyFilter(admin.SimpleListFilter):
+    title = "API key"
+    parameter_name = "api_key__id__exact"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        rows = ApiKey.objects.order_by("user__username", "prefix").values_list(
+            "pk", "prefix", "user__username"
+        )
+        return [(str(pk), f"{prefix}… ({username})") for pk, prefix, username in rows]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(api_key_id=value) if value and value.isdigit() else queryset
+
+
+class ModelFilter(admin.SimpleListFilter):
+    title = "model"
+    parameter_name = "model"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        names = list(ServedModel.objects.order_by("name").values_list("name", flat=True))
+        # A model no longer in the catalog still filters when named in the URL.
+        chosen = self.value()
+        if chosen and chosen not in names:
+            names.append(chosen)
+        return [(name, name) for name in names]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(model=value) if value else queryset
+
+
+class StatusFilter(admin.SimpleListFilter):
+    title = "status"
+    parameter_name = "status_class"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("2", "2xx"), ("4", "4xx"), ("5", "5xx")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value not in ("2", "4", "5"):
+            return queryset
+        low = int(value) * 100
+        return queryset.filter(status__gte=low, status__lt=low + 100)
+
+
+class DayFilter(admin.SimpleListFilter):
+    """A day (UTC) of the last two weeks; older days through the CSV export or the report."""
+
+    title = "day"
+    parameter_name = "day"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        today = timezone.now().date()
+        days = [today - timedelta(days=n) for n in range(14)]
+        return [(d.isoformat(), "today" if d == today else d.isoformat()) for d in days]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        try:
+            day = date.fromisoformat(self.value() or "")
+        except ValueError:
+            return queryset
+        start = datetime.combine(day, time.min, tzinfo=UTC)
+        return queryset.filter(started_at__gte=start, started_at__lt=start + timedelta(days=1))
+
+
 @admin.register(UsageRecord)
 class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
     """One row per request, read-only. The changelist's filters also filter the CSV export."""
@@ -163,7 +237,7 @@ class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
         "started_at",
         "model",
         "user",
-        "api_key",
+        "key",
         "status",
         "stream",
         "prompt_tokens",
@@ -173,18 +247,22 @@ class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
         "finish_reason",
     ]
     list_filter = [
-        ("api_key", admin.RelatedOnlyFieldListFilter),
-        ("user", admin.RelatedOnlyFieldListFilter),
-        "model",
-        "status",
+        DayFilter,
+        ModelFilter,
+        KeyFilter,
+        "user",
+        StatusFilter,
         "finish_reason",
         "stream",
     ]
     list_select_related = ["api_key", "user"]
-    search_fields = ["request_id", "model"]
-    date_hierarchy = "started_at"
+    search_fields = ["request_id", "model", "api_key__prefix"]
     # Counting every row on each page view is the slowest query on a large table.
     show_full_result_count = False
+
+    @admin.display(description="key", ordering="api_key__prefix")
+    def key(self, obj: UsageRecord) -> str:
+        return f"{obj.api_key.prefix}…" if obj.api_key else "—"
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -486,3 +486,33 @@ def test_usage_rows_are_read_only_in_the_admin() -> None:
     response = client.post(f"/admin/gateway/usagerecord/{row.pk}/change/", {"status": 500})
     assert response.status_code == 403
     assert client.get(f"/admin/gateway/usagerecord/{row.pk}/delete/").status_code == 403
+
+
+def test_usage_filters_by_day_status_and_key_without_scanning_for_choices() -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    make_user("alice")
+    _, first = make_key("alice")
+    _, second = make_key("alice")
+    now = timezone.now()
+    make_usage(model="m", api_key=first, status=200, started_at=now)
+    make_usage(model="m", api_key=first, status=503, started_at=now)
+    make_usage(model="m", api_key=second, status=200, started_at=now - timedelta(days=3))
+    client = staff_client()
+
+    def rows(query: str) -> int:
+        response = client.get(f"/admin/gateway/usagerecord/export.csv?{query}")
+        return len(streamed(response).splitlines()) - 1
+
+    today = now.date().isoformat()
+    three_days_ago = (now - timedelta(days=3)).date().isoformat()
+    assert rows("") == 3
+    assert rows(f"day={today}") == 2
+    assert rows(f"day={three_days_ago}") == 1
+    assert rows("status_class=5") == 1
+    assert rows(f"api_key__id__exact={second.pk}") == 1
+    assert rows(f"day={today}&status_class=2&api_key__id__exact={first.pk}") == 1
+    page = client.get("/admin/gateway/usagerecord/").content.decode()
+    assert f"{first.prefix}… (alice)" in page and "5xx" in page and "today" in page
