@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="pretend to have GPUs, e.g. 2x80GiB (default: NVML when pynvml is installed)",
     )
     add(
+        "--fallback-gpus",
+        metavar="SPEC",
+        help="simulated GPUs to use only when NVML finds none, e.g. 2x80GiB (for a local "
+        "agent that uses real GPUs where there are some)",
+    )
+    add(
         "--engine-python",
         default=sys.executable,
         help="Python interpreter engines run with (default: this one)",
@@ -208,6 +214,7 @@ class Plan:
     connection: ConnectionConfig
     supervisor: SupervisorConfig
     simulate_gpus: str | None
+    fallback_gpus: str | None
     leave_shards_running: bool
 
 
@@ -251,6 +258,7 @@ def prepare(args: argparse.Namespace) -> Plan:
             stop_grace=args.stop_grace,
         ),
         simulate_gpus=args.simulate_gpus,
+        fallback_gpus=args.fallback_gpus,
         leave_shards_running=args.leave_shards_running,
     )
 
@@ -258,7 +266,7 @@ def prepare(args: argparse.Namespace) -> Plan:
 async def run(plan: Plan) -> int:
     """Run until SIGTERM or SIGINT, then stop the shards (unless told to leave them)."""
     node = plan.connection.node
-    gpus = discover(plan.simulate_gpus, node)
+    gpus = discover(plan.simulate_gpus, node, fallback=plan.fallback_gpus)
     supervisor = Supervisor(plan.supervisor, gpus)
     agent = Agent(plan.connection, supervisor)
     stop = asyncio.Event()
@@ -308,11 +316,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if not valid_node_name(args.node):
         parser.error(f"--node {args.node!r}: use 1-100 letters, digits, '-' or '_'")
-    if args.simulate_gpus:
-        try:
-            parse_simulated(args.simulate_gpus, args.node)
-        except ValueError as exc:
-            parser.error(str(exc))
+    for spec in (args.simulate_gpus, args.fallback_gpus):
+        if spec:
+            try:
+                parse_simulated(spec, args.node)
+            except ValueError as exc:
+                parser.error(str(exc))
     try:
         plan = prepare(args)
     except ValueError as exc:  # bad configuration: say which, exit before anything starts

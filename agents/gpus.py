@@ -92,20 +92,26 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def discover(simulate: str | None, node: str) -> GpuSource:
+def discover(simulate: str | None, node: str, *, fallback: str | None = None) -> GpuSource:
     """Simulated devices when asked; else NVML when it is importable and finds a driver;
-    else no GPUs (a CPU node can still run ``sim`` and ``llamacpp`` shards)."""
+    else the ``fallback`` simulated devices if given (the embedded default: real GPUs when
+    there are some, simulated ones otherwise); else no GPUs (a CPU node can still run
+    ``sim`` and ``llamacpp`` shards)."""
     if simulate:
         return SimulatedGpus(parse_simulated(simulate, node))
+    none = SimulatedGpus(parse_simulated(fallback, node) if fallback else ())
     try:
         nvml = importlib.import_module("pynvml")
     except ImportError:
-        logger.info("no GPUs: pynvml (nvidia-ml-py) is not installed and none are simulated")
-        return SimulatedGpus(())
+        logger.info("pynvml (nvidia-ml-py) is not installed: %d simulated GPU(s)", len(none.read()))
+        return none
     try:
         source = NvmlGpus(nvml)
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        logger.warning("no GPUs: NVML is installed but could not start: %s", exc)
-        return SimulatedGpus(())
+        logger.warning("NVML could not start (%s): %d simulated GPU(s)", exc, len(none.read()))
+        return none
+    if source.count == 0:
+        logger.info("NVML found no GPU: %d simulated GPU(s)", len(none.read()))
+        return none
     logger.info("NVML found %d GPU(s)", source.count)
     return source

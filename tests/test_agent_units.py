@@ -238,3 +238,18 @@ def test_a_shard_restarts_only_when_what_it_runs_changes() -> None:
     assert fingerprint(replace(SHARD, generation=2)) != base
     assert fingerprint(replace(SHARD, args=("--x",))) != base
     assert fingerprint(replace(SHARD, gpu_indices=(0,))) != base
+
+
+def test_without_nvml_the_fallback_gpus_are_simulated() -> None:
+    import importlib.util
+
+    from agents.gpus import discover
+
+    if importlib.util.find_spec("pynvml") is not None:
+        pytest.skip("NVML is installed here; this checks the machines without it")
+    assert [g.memory_total_mib for g in discover(None, "n", fallback="2x8GiB").read()] == [
+        8192,
+        8192,
+    ]
+    assert discover(None, "n").read() == ()
+    assert len(discover("3x1GiB", "n", fallback="2x8GiB").read()) == 3  # asked for wins
