@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
 from django.db.models import Count, Sum
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
@@ -18,7 +17,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security.http import HttpBearer
 from pydantic import BaseModel
 
-from gateway import keys, limits, proxy, schemas
+from gateway import dbthread, keys, limits, proxy, schemas
 from gateway.errors import ApiError, invalid_key
 from gateway.keys import KeyInfo
 from gateway.models import UsageRecord
@@ -218,7 +217,7 @@ async def rerank(request: HttpRequest) -> HttpResponseBase:
 
 
 def _usage_summary(key: KeyInfo) -> dict[str, Any]:
-    close_old_connections()
+    dbthread.ready()
     start, _ = limits.period_bounds(key.budget_period, time.time())
     totals = UsageRecord.objects.filter(
         api_key_id=key.id, started_at__gte=datetime.fromtimestamp(start, tz=UTC)

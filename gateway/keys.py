@@ -25,9 +25,10 @@ from datetime import datetime, timedelta
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import close_old_connections, transaction
+from django.db import transaction
 from django.utils import timezone
 
+from gateway import dbthread
 from gateway.models import ApiKey
 
 KEY_PREFIX = "llmgw-"
@@ -128,8 +129,8 @@ def parse_expiry(text: str, *, now: datetime | None = None) -> datetime:
 
 
 def _load(key_hash: str) -> KeyInfo | None:
-    # Runs in the database thread; connections there outlive requests, so retire stale ones.
-    close_old_connections()
+    # Runs in the database thread (see gateway.dbthread).
+    dbthread.ready()
     row = (
         ApiKey.objects.filter(key_hash=key_hash)
         .values_list(

@@ -29,9 +29,10 @@ from typing import Any, Protocol
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import connection, transaction
 from redis import asyncio as redis_asyncio
 
+from gateway import dbthread
 from gateway.errors import ApiError
 from gateway.keys import KeyInfo
 
@@ -189,7 +190,7 @@ class _Refused(Exception):
 
 
 def _take_in_store(counters: Sequence[Counter]) -> Counter | None:
-    close_old_connections()
+    dbthread.ready()
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             for c in counters:
@@ -204,14 +205,14 @@ def _take_in_store(counters: Sequence[Counter]) -> Counter | None:
 
 
 def _adjust_in_store(counters: Sequence[Counter], delta: int) -> None:
-    close_old_connections()
+    dbthread.ready()
     with transaction.atomic(), connection.cursor() as cursor:
         for c in counters:
             cursor.execute(_ADJUST_SQL, [delta, c.name])
 
 
 def purge_expired(now: float) -> int:
-    close_old_connections()
+    dbthread.ready()
     with connection.cursor() as cursor:
         cursor.execute(_PURGE_SQL, [now - 60])
         return int(cursor.rowcount)

@@ -21,14 +21,14 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections
+from django.db import DatabaseError
 from django.db.models import Q
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
 from control.models import Node, Profile, Replica, ServedModel, Shard
 from control.tasks import request_tick
-from gateway import routing
+from gateway import dbthread, routing
 from gateway.models import Endpoint
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ STAMP_EVERY_S = 5.0
 
 def load_table(version: int = 0) -> routing.Table:
     """Read the rows that route traffic and build a table (runs in the database thread)."""
-    close_old_connections()
+    dbthread.ready()
     catalog = [
         routing.CatalogRow(
             id=row["id"],
