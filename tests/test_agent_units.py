@@ -253,3 +253,33 @@ def test_without_nvml_the_fallback_gpus_are_simulated() -> None:
     ]
     assert discover(None, "n").read() == ()
     assert len(discover("3x1GiB", "n", fallback="2x8GiB").read()) == 3  # asked for wins
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        ([], {}, "no node token: pass --token-file or set LLMGW_NODE_TOKEN"),
+        ([], {"LLMGW_NODE_TOKEN": "sk-not-a-node-token"}, "does not start with 'llmgw_node_'"),
+        (["--token-file", "/nonexistent/token"], {}, "cannot read --token-file"),
+        (["--control-plane", "ftp://cp"], {"LLMGW_NODE_TOKEN": "llmgw_node_x"}, "is not an http"),
+        (["--simulate-gpus", "lots"], {}, "expected COUNTxSIZE like 2x80GiB"),
+        (["--port-range", "9-1"], {}, "ports must be 1-65535, low <= high"),
+        (["--node", "bad name!"], {}, "use 1-100 letters, digits"),
+    ],
+)
+def test_the_agent_refuses_bad_configuration_at_start(
+    tmp_path: Path, args: list[str], env: dict[str, str], words: str
+) -> None:
+    import subprocess
+    import sys
+
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env}
+    result = subprocess.run(
+        [sys.executable, "-m", "agents", "--state-dir", str(tmp_path / "s"),
+         "--weights-dir", str(tmp_path / "w"), *args],
+        env=base, capture_output=True, text=True, timeout=30, check=False,
+        cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert words in result.stderr
+    assert "Traceback" not in result.stderr
