@@ -29,6 +29,7 @@ from django.utils import timezone
 from control.models import Node, Profile, Replica, ServedModel, Shard
 from control.tasks import request_tick
 from gateway import dbthread, routing
+from gateway.errors import ApiError
 from gateway.models import Endpoint
 
 logger = logging.getLogger(__name__)
@@ -135,9 +136,18 @@ class Upstreams:
     # --- the table ------------------------------------------------------------------------
 
     async def ready(self) -> routing.Table:
-        """The current table; the first call in a process waits for the first load."""
+        """The current table; the first call in a process waits for the first load. Raises
+        503 while no table could ever be loaded (the store is down since this process began):
+        an empty table would answer every model with a misleading 404."""
         if not self.loaded:
             await self._start()
+            if not self.loaded:
+                raise ApiError(
+                    503,
+                    "The gateway cannot read its routing table yet.",
+                    "routing_unavailable",
+                    retry_after=5,
+                )
         return self.table
 
     async def _start(self) -> None:
