@@ -158,7 +158,10 @@ async def list_models(request: HttpRequest) -> Any:
 
 
 async def _relay(request: HttpRequest, kind: str) -> HttpResponseBase:
-    return await proxy.handle(request, _key(request), kind)
+    # Under llmgw_site.asgi these routes are taken by GatewayHandler's fast path before they
+    # get here (same functions, same answers); this is the path for any other mounting.
+    clock_start = getattr(request, "llmgw_clock_start", None) or time.perf_counter()
+    return await proxy.relay(request.body, _key(request), kind, clock_start)
 
 
 @api.post(

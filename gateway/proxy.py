@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 
 from gateway import limits, payload, routing
@@ -185,15 +185,14 @@ def _start_background() -> None:
     recorder.ensure_running()
 
 
-async def handle(request: HttpRequest, key: KeyInfo, kind: str) -> HttpResponseBase:
+async def relay(body: bytes, key: KeyInfo, kind: str, clock_start: float) -> HttpResponseBase:
     """The request path after authentication, for one ``/v1`` call that goes to an engine."""
-    clock_start = getattr(request, "llmgw_clock_start", None) or time.perf_counter()
     _start_background()
     request_id = new_request_id()
     usage = Usage(request_id, key.id, key.user_id, "", kind, time.time())
     ex = Exchange(kind, key, usage, clock_start)
     try:
-        return await _serve(ex, request.body)
+        return await _serve(ex, body)
     except ApiError as error:
         ex.finish(error.status, _reason_for(error))
         return error_response(error, request_id)
