@@ -601,8 +601,8 @@ class Supervisor:
         rt.state = ShardState.FAILED
         rt.failure_class = failure
         rt.message = message
-        if exit_code is not None or rt.exit_code is None:
-            rt.exit_code = exit_code if exit_code is not None else rt.exit_code
+        if exit_code is not None:
+            rt.exit_code = exit_code  # else keep what _terminate recorded, if anything
         rt.requests_running = rt.requests_waiting = None
         logger.error(
             "shard %s failed (%s): %s", rt.spec.shard_id, failure.value or "unknown", message
