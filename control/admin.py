@@ -28,6 +28,8 @@ _Record = TypeVar("_Record", Lease, Event)
 admin.site.site_header = "llmgw"
 admin.site.site_title = "llmgw"
 admin.site.index_title = "Cluster"
+# "View site" leads staff to their own keys and usage; llmgw has no other public page.
+admin.site.site_url = "/account/"
 
 
 def actor(request: HttpRequest) -> str:

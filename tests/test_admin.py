@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from django.contrib.sessions.models import Session
+from django.core.cache import cache
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
@@ -27,6 +28,13 @@ from tests.fleet import (
 )
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache() -> None:
+    """The dashboard caches minutes that are over; each test starts without them."""
+    cache.clear()
+
 
 KEY_RE = re.compile(re.escape(KEY_PREFIX) + r"[A-Za-z0-9_-]{43}")
 

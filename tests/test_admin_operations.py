@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.core.cache import cache
 from django.db import transaction
 from django.test import Client
 
@@ -16,6 +17,12 @@ from control.models import Event, Node, Replica
 from tests.fleet import make_key, make_model, make_node, make_replica, make_usage, make_user
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache() -> None:
+    """The dashboard caches minutes that are over; each test starts without them."""
+    cache.clear()
 
 
 def test_a_schedule_change_happens_once_and_is_recorded_once() -> None:

@@ -6,6 +6,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.core.cache import cache
 from django.test import Client
 from django.utils import timezone
 
@@ -13,6 +14,13 @@ from control import dashboard, leases
 from control.dashboard import TTFT_BOUNDS_MS, quantile
 from control.models import Event, Node, Replica
 from tests.fleet import make_key, make_model, make_node, make_replica, make_usage, make_user
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache() -> None:
+    """The dashboard caches minutes that are over; each test starts without them."""
+    cache.clear()
+
 
 # --------------------------------------------------------------------------- pure
 
@@ -64,6 +72,7 @@ def test_snapshot_shows_nodes_with_gpus_allocated_and_free(cluster: dict[str, An
     nodes = {n["name"]: n for n in data["nodes"]}
     assert nodes["gpu-1"]["state"] == "ready"
     assert nodes["gpu-2"]["state"] == "cordoned"
+    assert nodes["gpu-1"]["url"] == f"/admin/control/node/{cluster['gpu1'].pk}/change/"
     gpus = nodes["gpu-1"]["gpus"]
     assert gpus[0]["allocated_to"] == f"llama3#{cluster['replica'].pk}"
     assert gpus[0]["memory_used_mib"] == 40960 and gpus[0]["memory_total_mib"] == 81920
@@ -150,7 +159,7 @@ def test_snapshot_costs_a_fixed_number_of_queries(django_assert_max_num_queries:
         make_replica(model, [(node, [0, 1])])
         for _ in range(5):
             make_usage(model=model.name, api_key=key)
-    with django_assert_max_num_queries(6):
+    with django_assert_max_num_queries(7):  # the first poll of a minute; later ones 6
         data = dashboard.snapshot()
     assert len(data["nodes"]) == 6 and len(data["traffic"]["models"]) == 6
 
@@ -186,3 +195,24 @@ def test_dashboard_json_for_staff_without_model_permissions_still_needs_staff(
     inactive.save()
     client.force_login(inactive)
     assert client.get("/admin/dashboard.json").status_code in (401, 403)
+
+
+@pytest.mark.django_db
+def test_minutes_that_are_over_are_aggregated_once_and_the_current_one_each_poll(
+    django_assert_num_queries: Any,
+) -> None:
+    make_user("alice")
+    _, key = make_key("alice")
+    now = timezone.now().replace(second=40, microsecond=0)
+    make_usage(model="llama3", api_key=key, started_at=now - timedelta(minutes=5))
+    with django_assert_num_queries(2):
+        first = dashboard.traffic(now)
+    make_usage(model="llama3", api_key=key, started_at=now - timedelta(seconds=5))
+    with django_assert_num_queries(1):
+        second = dashboard.traffic(now + timedelta(seconds=5))
+    assert sum(first["models"]["llama3"]["requests_per_s"]) == pytest.approx(1 / 60, abs=1e-3)
+    assert second["models"]["llama3"]["requests_per_s"][-1] > 0  # the new row, at once
+    assert (
+        second["models"]["llama3"]["requests_per_s"][-6]
+        == first["models"]["llama3"]["requests_per_s"][-6]
+    )

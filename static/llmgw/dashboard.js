@@ -119,7 +119,7 @@
           node(
             "header",
             {},
-            node("strong", {}, n.name),
+            node("a", { href: n.url, class: "lg-node-name" }, n.name),
             badge(n.state),
             node("span", { class: "lg-quiet" }, ` heartbeat ${age(n.heartbeat_age_s)}`),
           ),
@@ -153,7 +153,7 @@
       node(
         "tr",
         {},
-        node("th", { scope: "row", class: "lg-name" }, m.name, m.pinned ? node("small", { class: "lg-quiet" }, " pinned") : null),
+        node("th", { scope: "row", class: "lg-name" }, node("a", { href: m.url }, m.name), m.pinned ? node("small", { class: "lg-quiet" }, " pinned") : null),
         node("td", { class: "lg-num" }, `${m.ready} / ${m.desired}`),
         node("td", { class: "lg-num lg-quiet lg-hide-narrow" }, `${m.min_replicas}–${m.max_replicas}`),
         node("td", {}, modelStatus(m)),
