@@ -29,7 +29,7 @@ from tests.gateway_live import (
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 LIMIT = 4 * 1024 * 1024
-MODELS = ("m1", "m2", "m3", "m4", "m5", "m6")
+MODELS = ("m1", "m2", "m3", "m4", "m5", "m6", "ext-model")
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,8 @@ def stack(
     sims = [start_sim(tmp, MODELS), start_sim(tmp, MODELS)]
     web = start_web(
         tmp,
+        # A router-only upstream, given at start: no catalog row, no replica.
+        LLMGW_STATIC_ENDPOINTS=f"ext={sims[1].url}/v1=ext-model",
         LLMGW_MAX_BODY_BYTES=str(LIMIT),
         LLMGW_RETRY_AFTER_MAX="2",
         LLMGW_EJECT_SECONDS="30",
@@ -318,3 +320,17 @@ def test_an_upstream_that_stalls_mid_stream_gets_an_error_event_at_the_idle_dead
     assert time.monotonic() - started < 3
     (row,) = wait_for_rows(api_key, 1)
     assert row.finish_reason == "timeout"
+
+
+def test_a_static_endpoint_given_at_start_serves_its_model(stack: Any) -> None:
+    web, _, sim_b = stack
+    key, api_key = make_key()
+    assert "ext-model" in [m.id for m in client(web, key).models.list().data]
+    before = sim_metrics(sim_b)["vllm:request_success_total"]
+    reply = client(web, key).chat.completions.create(
+        model="ext-model", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    assert reply.choices[0].message.content == "tok1 tok2"
+    assert sim_metrics(sim_b)["vllm:request_success_total"] == before + 1
+    (row,) = wait_for_rows(api_key, 1)
+    assert row.upstream == "static:ext" and row.completion_tokens == 2
