@@ -236,11 +236,18 @@ class Cluster:
         }
 
     def stop(self) -> None:
+        # Every agent is told at once (each stops its own shards), then the web processes.
+        for agent in self.agents.values():
+            agent.signal(signal.SIGCONT)
+            agent.signal(signal.SIGTERM)
         for agent in self.agents.values():
             agent.stop()
-        self.stop_daphne()
-        for other in self.others:
-            other.stop()
+        for web in [self.daphne, *self.others]:
+            if web is not None:
+                web.signal(signal.SIGTERM)
+        for web in [self.daphne, *self.others]:
+            if web is not None:
+                web.stop()
         # Engines of an agent that was killed outlive it (on purpose); end them here.
         for node in self.agents:
             for pid in self.shard_pids(node).values():

@@ -3,8 +3,8 @@ agents with simulated GPUs, ``sim`` (and one llama.cpp) engines the agents start
 state written to the database, a private Redis as the channel layer, and the official
 ``openai`` client talking to the shards. The N-numbers are the scenarios of SCENARIOS.md.
 
-Intervals are shrunk through the environment (unreachable after 2s, lost after 4s, heartbeat
-every 0.4s), so every wait here is a poll with a deadline measured in seconds.
+Intervals are shrunk through the environment (unreachable after 3s, lost after 6s, heartbeat
+every 0.6s), so every wait here is a poll with a deadline measured in seconds.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from tests.e2e_agents import Cluster, Proc, free_port, start_redis, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
-UNREACHABLE_AFTER = 2.0
-LOST_AFTER = 4.0
+UNREACHABLE_AFTER = 3.0
+LOST_AFTER = 6.0
 
 
 @pytest.fixture(scope="module")
