@@ -22,6 +22,7 @@ CHUNKED_STREAMS = frozenset({"chat", "completions"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _USAGE_KEY = b'"usage"'
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
 @dataclass(frozen=True)
@@ -212,14 +213,21 @@ class SseFilter:
     def feed(self, chunk: bytes) -> bytes:
         """Complete events from this chunk (and any carried over), ready for the client."""
         data = self._pending + chunk if self._pending else chunk
-        end = data.rfind(b"\n\n")
-        if end < 0:
+        # Events end in a blank line: "\n\n" (vLLM, SGLang, llama.cpp) or "\r\n\r\n"
+        # (servers built on sse-starlette).
+        at = data.rfind(b"\n\n")
+        end = at + 2 if at >= 0 else 0
+        if b"\r" in data:
+            at = data.rfind(b"\r\n\r\n")
+            end = max(end, at + 4 if at >= 0 else 0)
+        if end == 0:
             self._pending = data
             return b""
-        complete, self._pending = data[: end + 2], data[end + 2 :]
-        self.events += complete.count(b"\n\n")
+        complete, self._pending = data[:end], data[end:]
+        self.events += complete.count(b"\n\n") + complete.count(b"\r\n\r\n")
         if _USAGE_KEY not in complete:
-            if b"finish_reason" in complete:
+            # Compact JSON as engines write it; a finish reason is also read from usage events.
+            if b'"finish_reason":"' in complete or b'"finish_reason": "' in complete:
                 self._note_finish(complete)
             return complete
         return self._with_usage(complete)
@@ -235,7 +243,7 @@ class SseFilter:
 
     def _with_usage(self, complete: bytes) -> bytes:
         kept: list[bytes] = []
-        for event in complete.split(b"\n\n")[:-1]:
+        for event in _EVENT_END.split(complete)[:-1]:
             if _USAGE_KEY in event and self._read_usage(event):
                 continue
             kept.append(event + b"\n\n")
@@ -244,7 +252,7 @@ class SseFilter:
     def _read_usage(self, event: bytes) -> bool:
         """Note the usage in one event; True if the event is the extra usage chunk to hide."""
         payload = b"\n".join(
-            line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")
+            line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")
         )
         try:
             data = json.loads(payload)

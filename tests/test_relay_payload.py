@@ -175,3 +175,13 @@ def test_responses_usage_comes_from_the_final_response_event() -> None:
         )
     )
     assert sse.tokens == payload.Tokens(9, 4) and sse.finish_reason == "length"
+
+
+def test_events_ending_in_crlf_are_relayed_as_they_arrive() -> None:
+    sse = payload.SseFilter(hide_usage_chunk=True)
+    first = b'data: {"choices":[{"delta":{"content":"a"},"finish_reason":null}]}\r\n\r\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}\r\n\r\n'
+    assert sse.feed(first[:10]) == b""
+    assert sse.feed(first[10:]) == first
+    assert sse.feed(usage + b"data: [DONE]\r\n\r\n") == b"data: [DONE]\n\n"
+    assert sse.tokens == payload.Tokens(2, 1) and sse.events == 3
