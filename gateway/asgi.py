@@ -59,7 +59,10 @@ async def _fast_relay(scope: Scope, body: bytes, kind: str, clock_start: float) 
         if name == b"authorization":
             authorization = value.decode("latin-1")
             break
-    key = await keys.authenticate(authorization)
+    try:
+        key = await keys.authenticate(authorization)
+    except ApiError as error:
+        return proxy.error_response(error)
     if key is None:
         return proxy.error_response(invalid_key())
     return await proxy.relay(body, key, kind, clock_start)

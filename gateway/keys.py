@@ -25,10 +25,11 @@ from datetime import datetime, timedelta
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from gateway import dbthread
+from gateway.errors import ApiError
 from gateway.models import ApiKey
 
 KEY_PREFIX = "llmgw-"
@@ -36,6 +37,8 @@ PREFIX_LENGTH = 14
 _KEY_RE = re.compile(r"llmgw-[A-Za-z0-9_-]{43}")
 # Bounds the cache against a flood of random keys; overflowing clears it (cheap, rare).
 _CACHE_MAX = 50_000
+# How long past its TTL a cached key is still trusted while the store cannot be reached.
+STALE_FOR_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,17 @@ class KeyCache:
         now = self._clock()
         if entry is not None and entry[1] > now:
             return entry[0]
-        info = await sync_to_async(_load)(key_hash)
+        try:
+            info = await sync_to_async(_load)(key_hash)
+        except DatabaseError:
+            # The store is down. A key this process saw recently keeps working through the
+            # outage (its expiry is still checked); one it never saw gets 503, not 401: the
+            # key may well be valid.
+            if entry is not None and now - entry[1] < STALE_FOR_S:
+                return entry[0]
+            raise ApiError(
+                503, "API keys cannot be checked right now.", "store_unavailable", retry_after=5
+            ) from None
         if len(self._entries) >= _CACHE_MAX:
             self._entries.clear()
         self._entries[key_hash] = (info, now + float(settings.LLMGW_KEY_CACHE_TTL))

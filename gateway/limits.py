@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from redis import asyncio as redis_asyncio
+from redis.exceptions import RedisError
 
 from gateway import dbthread
 from gateway.errors import ApiError
@@ -251,7 +252,18 @@ async def reserve(key: KeyInfo, tokens: int, now: float | None = None) -> Reserv
         return NO_RESERVATION
     now = time.time() if now is None else now
     counters = counters_for(key, tokens, now)
-    refused = await store().take(counters)
+    try:
+        refused = await store().take(counters)
+    except (DatabaseError, RedisError) as exc:
+        # Fail closed: a limit that cannot be checked is not waived. Keys without limits are
+        # not affected (they never get here).
+        logger.warning("limit counters unavailable: %s", type(exc).__name__)
+        raise ApiError(
+            503,
+            "This key's limits cannot be checked right now.",
+            "limits_unavailable",
+            retry_after=5,
+        ) from None
     if refused is not None:
         raise refusal(refused, now)
     return Reservation(counters, tokens)

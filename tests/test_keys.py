@@ -118,3 +118,29 @@ def test_create_api_key_prints_the_key_once(alice: Any, capsys: Any) -> None:
         call_command("create_api_key", "nobody")
     with pytest.raises(CommandError):
         call_command("create_api_key", "alice", "--expires", "tomorrow-ish")
+
+
+async def test_a_known_key_keeps_working_while_the_store_is_down(
+    alice: Any, settings: Any, request: pytest.FixtureRequest
+) -> None:
+    """U3's choice for keys: seen recently, trusted through the outage; never seen, 503."""
+    from asgiref.sync import sync_to_async
+
+    from gateway.errors import ApiError
+
+    settings.LLMGW_KEY_CACHE_TTL = 1.0
+    clock = FakeClock()
+    cache = keys.KeyCache(clock)
+    issued = await sync_to_async(keys.issue)("alice")
+    assert await cache.lookup(issued.key) is not None
+    close_db_thread()  # its open connection would otherwise hide the outage
+    # In the database thread: that is the connection the lookups use.
+    await sync_to_async(request.getfixturevalue)("store_unreachable")
+    clock.advance(5)
+    assert await cache.lookup(issued.key) is not None
+    with pytest.raises(ApiError) as unknown:
+        await cache.lookup("llmgw-" + "B" * 43)
+    assert unknown.value.status == 503 and unknown.value.retry_after
+    clock.advance(keys.STALE_FOR_S + 10)
+    with pytest.raises(ApiError):
+        await cache.lookup(issued.key)

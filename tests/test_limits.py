@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 
 from gateway import limits
 from gateway.errors import ApiError
@@ -169,3 +170,18 @@ async def test_the_redis_store_is_atomic_under_concurrency() -> None:
     assert int(await store._client.get(f"llmgw:{tpm.name}")) == 0
     assert 0 < await store._client.ttl(f"llmgw:{rpm.name}") <= 120
     await store._client.aclose()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_limits_that_cannot_be_checked_are_not_waived(
+    settings: Any, request: pytest.FixtureRequest
+) -> None:
+    settings.REDIS_URL = ""
+    limits._store = None
+    close_db_thread()
+    # In the database thread: that is the connection the lookups use.
+    await sync_to_async(request.getfixturevalue)("store_unreachable")
+    with pytest.raises(ApiError) as unavailable:
+        await limits.reserve(key(rpm=5), 1, NOW)
+    assert unavailable.value.status == 503
+    assert await limits.reserve(key(), 1, NOW) is limits.NO_RESERVATION  # no limits, no store
