@@ -172,7 +172,8 @@ else:
 
 _broker_dir = VAR_DIR / "broker"
 if not REDIS_URL:
-    (_broker_dir / "processed").mkdir(parents=True, exist_ok=True)
+    for _folder in ("processed", "bindings"):
+        (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
 CELERY_BROKER_URL = REDIS_URL or "filesystem://localhost/"
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = (
     {}
@@ -183,6 +184,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = (
         "data_folder_in": str(_broker_dir),
         "data_folder_out": str(_broker_dir),
         "processed_folder": str(_broker_dir / "processed"),
+        # Exchange bindings; kombu's default is a folder named "control" in the working
+        # directory, which here is the control app itself.
+        "control_folder": str(_broker_dir / "bindings"),
         "store_processed": False,
         # The reconciler ticks about every second; poll the folder often enough not to lag.
         "polling_interval": 0.1,
