@@ -472,7 +472,9 @@ class Supervisor:
                 )
                 return False
             await self._pause(rt, min(interval, max(0.0, deadline - self.clock())))
-            interval = min(interval * 1.5, 1.0)
+            # A request may be waiting for this engine (scale from zero): every poll interval
+            # is added to its first token, so stay quick; a health GET on loopback is cheap.
+            interval = min(interval * 1.5, 0.25)
 
     async def _serve(self, rt: ShardRuntime) -> None:
         assert rt.handle is not None

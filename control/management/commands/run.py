@@ -9,11 +9,9 @@ until Ctrl-C stops them all.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -92,10 +90,6 @@ def write_secret(path: Path, value: str) -> None:
         handle.write(value + "\n")
 
 
-def has_nvidia_gpus() -> bool:
-    return shutil.which("nvidia-smi") is not None and importlib.util.find_spec("pynvml") is not None
-
-
 def agent_argv(control_plane: str, host: str, token_file: Path, agent_dir: Path) -> list[str]:
     argv = [
         sys.executable,
@@ -117,8 +111,8 @@ def agent_argv(control_plane: str, host: str, token_file: Path, agent_dir: Path)
     if host in {"127.0.0.1", "localhost", "::1"}:
         # A loopback control plane means a one-machine install: keep engines off the network.
         argv += ["--advertise-address", "127.0.0.1", "--engine-host", "127.0.0.1"]
-    if not has_nvidia_gpus():
-        argv += ["--simulate-gpus", "2x80GiB"]
+    # Real GPUs through NVML when the node has them, two simulated ones (and `sim`) when not.
+    argv += ["--fallback-gpus", "2x80GiB"]
     return argv
 
 
@@ -192,12 +186,11 @@ class Command(BaseCommand):
             )
 
         backend = settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1]
-        gpus = "real GPUs (NVML)" if has_nvidia_gpus() else "2 simulated GPUs"
         write = self.stdout.write
         write(f"llmgw {settings.LLMGW_VERSION} on {backend}")
         write(f"  web processes: {web_processes} on {base}  (+ reconciler worker and beat)")
         if not no_agent:
-            write(f"  local agent:   node '{LOCAL_NODE}' with {gpus}")
+            write(f"  local agent:   node '{LOCAL_NODE}': GPUs through NVML, else 2 simulated")
         write(f"  health:        {base}/healthz")
         write(f"  admin:         {base}/admin/")
         if password:
