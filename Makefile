@@ -13,7 +13,8 @@ typecheck migrations-check pytest-sqlite pytest-postgres bench: export SECRET_KE
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	# llama-cpp-python (the real llama.cpp server in the agent tests) compiles from source.
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
 	touch $(STAMP)
 
 venv: $(STAMP)
