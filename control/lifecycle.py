@@ -89,7 +89,5 @@ def eviction_candidates(replicas: Sequence[ReplicaUse], for_model: str) -> list[
     """Replicas that may be stopped to make room for ``for_model``'s demand: other models',
     unpinned, idle (no request in flight), least recently used first. The caller passes only
     replicas above their model's minimum, or the reconciler would fight itself."""
-    candidates = [
-        r for r in replicas if r.model != for_model and not r.pinned and r.in_flight == 0
-    ]
+    candidates = [r for r in replicas if r.model != for_model and not r.pinned and r.in_flight == 0]
     return sorted(candidates, key=lambda r: (*_least_recently_used(r), r.replica_id))

@@ -26,6 +26,7 @@ from control import launcher, nodes
 from control.models import Event, Profile, ServedModel
 from gateway import keys
 from gateway.models import ApiKey
+from llmgw_site import metrics
 
 DEMO_KEY_NAME = "make run demo"
 LOCAL_NODE = "local"
@@ -158,6 +159,8 @@ class Command(BaseCommand):
         assert admin_name is not None
         demo_model = ensure_demo_model()
         api_key = issue_demo_key(admin_name)
+        # Metric sums restart with the web tier, not with files of an earlier run.
+        metrics.reset_multiprocess_dir()
         try:
             listener = launcher.bind_listener(host, port)
         except OSError as exc:
