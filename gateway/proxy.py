@@ -27,7 +27,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -251,8 +251,8 @@ async def _serve(ex: Exchange, raw: bytes) -> HttpResponseBase:
     return await _relay_body(ex, opened)
 
 
-def _sse_response(ex: Exchange, content: AsyncIterator[bytes]) -> StreamingHttpResponse:
-    return StreamingHttpResponse(
+def _sse_response(ex: Exchange, content: AsyncGenerator[bytes]) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(
         content,
         content_type="text/event-stream",
         headers={
@@ -261,6 +261,9 @@ def _sse_response(ex: Exchange, content: AsyncIterator[bytes]) -> StreamingHttpR
             "X-Request-Id": ex.request_id,
         },
     )
+    # gateway.asgi.GatewayHandler sends this generator's chunks itself (see send_response).
+    response.llmgw_stream = content  # type: ignore[attr-defined]
+    return response
 
 
 # --- activation -----------------------------------------------------------------------------
@@ -330,7 +333,7 @@ async def _wait_for_activation(ex: Exchange, route: routing.Route) -> routing.Ro
     raise AssertionError("activation ended without a route or an error")
 
 
-async def _held_stream(ex: Exchange) -> AsyncIterator[bytes]:
+async def _held_stream(ex: Exchange) -> AsyncGenerator[bytes]:
     assert ex.route is not None
     try:
         async for ready in _activations(ex, ex.route):
@@ -518,7 +521,7 @@ async def _relay_body(ex: Exchange, opened: Opened) -> HttpResponse:
     return relayed
 
 
-async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncIterator[bytes]:
+async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
     """Relay the SSE stream chunk by chunk; exactly one usage record however it ends."""
     assert ex.body is not None and ex.route is not None
     response = opened.response

@@ -51,14 +51,17 @@ def client(web: Proc, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=20)
 
 
-def visible(web: Proc, key: str, model: str) -> None:
-    """Wait until the web process's routing table has the model (it refreshes every 0.1 s)."""
-    wait_until(lambda: model in [m.id for m in client(web, key).models.list().data])
+def listed(web: Proc, key: str) -> list[str]:
+    return [m.id for m in client(web, key).models.list().data]
 
 
 def serving(web: Proc, key: str, name: str, *sims: Proc, **fields: Any) -> Any:
+    """Serve ``name`` and wait until the web process routes it. The earlier tests' rows for the
+    same name were deleted, so first wait until the web process's table shows that (it
+    refreshes every 0.1 s): otherwise a stale entry could pass for the new one."""
+    wait_until(lambda: name not in listed(web, key))
     served = serve_model(name, [s.port for s in sims], **fields)
-    visible(web, key, name)
+    wait_until(lambda: name in listed(web, key))
     return served
 
 

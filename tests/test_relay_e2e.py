@@ -63,8 +63,15 @@ def client(web: Proc, key: str) -> openai.OpenAI:
 
 
 def ready(web: Proc, key: str, name: str, ports: list[int], **fields: Any) -> Any:
+    """Serve ``name``; first wait until the web process has dropped the earlier tests' (deleted)
+    rows for it, so that a stale table entry cannot pass for the new one."""
+
+    def listed() -> list[str]:
+        return [m.id for m in client(web, key).models.list().data]
+
+    wait_until(lambda: name not in listed())
     served = serve_model(name, ports, **fields)
-    wait_until(lambda: name in [m.id for m in client(web, key).models.list().data])
+    wait_until(lambda: name in listed())
     return served
 
 
