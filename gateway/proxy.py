@@ -21,6 +21,7 @@ generating.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
@@ -588,7 +589,16 @@ def _partial(sse: payload.SseFilter) -> payload.Tokens | None:
     return payload.Tokens(completion=max(0, sse.events - 1))
 
 
-async def close() -> None:
-    if _session is not None and not _session.closed:
-        with contextlib.suppress(Exception):
-            await _session.close()
+def _forget_session_at_exit() -> None:
+    """At exit the event loop has stopped and the kernel closes the sockets anyway; closing
+    the pool here keeps aiohttp's finalizers from logging "Unclosed client session" as an
+    ERROR on every clean stop (``_close`` is the synchronous half of ``close()``)."""
+    session = _session
+    if session is None or session.closed or session.connector is None:
+        return
+    with contextlib.suppress(Exception):
+        session.connector._close()
+        session.detach()
+
+
+atexit.register(_forget_session_at_exit)
