@@ -42,6 +42,7 @@ from gateway.keys import KeyInfo
 from gateway.models import UsageRecord
 from gateway.upstreams import upstreams
 from gateway.usage import Usage, recorder
+from llmgw_site import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,15 @@ class Exchange:
             usage.cached_tokens = tokens.cached
         if settings.LLMGW_USAGE_ACCOUNTING:
             recorder.finish(usage)
+        # The catalog's name, never the client's string: clients cannot grow the label set.
+        metrics.observe_request(
+            self.route.name if self.route is not None else metrics.UNKNOWN_MODEL,
+            status,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            ttft_s=None if usage.ttft_ms is None else usage.ttft_ms / 1000,
+            duration_s=usage.duration_ms / 1000,
+        )
         if self.reservation.counters:
             limits.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens)
 
@@ -274,6 +284,7 @@ def _activation_slot(ex: Exchange, route: routing.Route) -> int:
     assert route.catalog_id is not None
     waiting = upstreams.waiting.get(route.catalog_id, 0)
     if waiting >= route.max_waiting:
+        metrics.observe_activation_wait(route.name, 0.0, "rejected")
         raise ApiError(
             429,
             f"Too many requests are waiting for '{route.name}' to start.",
@@ -300,17 +311,21 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
         raise ApiError(503, f"No upstream serves '{route.name}' now.", "no_upstream", retry_after=5)
     catalog_id = _activation_slot(ex, route)
     assert ex.body is not None
-    deadline = time.monotonic() + route.activation_timeout_s
+    began = time.monotonic()
+    deadline = began + route.activation_timeout_s
     keepalive = float(settings.LLMGW_KEEPALIVE_INTERVAL)
     next_keepalive = time.monotonic() + keepalive
+    outcome = "disconnected"  # unless the loop below says otherwise
     try:
         while True:
             current = upstreams.table.resolve(ex.body.model)
             if current is not None and current.upstreams:
+                outcome = "ready"
                 yield current
                 return
             now = time.monotonic()
             if now >= deadline:
+                outcome = "timeout"
                 raise ApiError(
                     503,
                     f"The model '{route.name}' is starting; it was not ready in "
@@ -322,9 +337,11 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
                 next_keepalive = now + keepalive
                 yield None
             upstreams.note_demand(route)
-            await upstreams.changed(min(deadline, next_keepalive) - now)
+            with metrics.waiting_for_activation(route.name):
+                await upstreams.changed(min(deadline, next_keepalive) - now)
     finally:
         _leave_activation(catalog_id)
+        metrics.observe_activation_wait(route.name, time.monotonic() - began, outcome)
 
 
 async def _wait_for_activation(ex: Exchange, route: routing.Route) -> routing.Route:
@@ -409,10 +426,17 @@ async def _open(ex: Exchange) -> Opened:
         if upstream is None:
             break
         ex.tried.add(upstream.id)
-        outcome = await _attempt(ex, upstream, deadlines)
+        try:
+            outcome = await _attempt(ex, upstream, deadlines)
+        except ApiError as error:  # not retried: a timeout, or a failure mid-answer
+            metrics.observe_upstream_error(ex.route.name, error.code)
+            raise
         if isinstance(outcome, Opened):
             return outcome
         last, wait = outcome
+        metrics.observe_upstream_error(ex.route.name, last.code)
+        if len(ex.tried) < attempts:
+            metrics.observe_retry(ex.route.name, last.code)
         untried = any(u.id not in ex.tried for u in ex.route.upstreams)
         if wait is not None and not untried:
             if wait > float(settings.LLMGW_RETRY_AFTER_MAX):
@@ -567,6 +591,9 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
     rest = sse.rest()
     if failure is not None:
         upstreams.eject(opened.upstream)
+        metrics.observe_upstream_error(
+            ex.route.name, "idle_timeout" if failure.status == 504 else "after_first_byte"
+        )
         ex.finish(
             200, Reason.TIMEOUT if failure.status == 504 else Reason.UPSTREAM_ERROR, _partial(sse)
         )

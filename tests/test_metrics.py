@@ -350,11 +350,6 @@ def test_promtool_passes_on_a_scrape_taken_while_traffic_flows_through_two_web_p
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(
-    strict=True,
-    reason="the /v1 request path does not call llmgw_site.metrics.observe_request yet "
-    "(issue 6 hands the call sites to the gateway); remove this mark when it does",
-)
 def test_v1_requests_through_two_web_processes_are_counted_once_each(
     two_web_processes: tuple[Proc, Proc, Proc],
 ) -> None:
