@@ -39,8 +39,28 @@ STAMP_EVERY_S = 5.0
 
 
 def load_table(version: int = 0) -> routing.Table:
-    """Read the rows that route traffic and build a table (runs in the database thread)."""
+    """Read the rows that route traffic and build a table (runs in the database thread).
+
+    Every query reads one table and the join happens here. A query over several tables holds
+    a lock on one while it waits for the next, and that deadlocks against anything that locks
+    them all exclusively (a migration, a TRUNCATE): PostgreSQL then aborts one side. One
+    table per statement cannot be part of such a cycle.
+    """
     dbthread.ready()
+    models = list(
+        ServedModel.objects.values(
+            "id",
+            "name",
+            "aliases",
+            "enabled",
+            "activation_timeout_s",
+            "max_waiting",
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "stream_idle_timeout_s",
+            "default_profile_id",
+        )
+    )
     catalog = [
         routing.CatalogRow(
             id=row["id"],
@@ -53,47 +73,43 @@ def load_table(version: int = 0) -> routing.Table:
             first_byte_timeout_s=row["first_byte_timeout_s"],
             stream_idle_timeout_s=row["stream_idle_timeout_s"],
         )
-        for row in ServedModel.objects.values(
-            "id",
-            "name",
-            "aliases",
-            "enabled",
-            "activation_timeout_s",
-            "max_waiting",
-            "connect_timeout_s",
-            "first_byte_timeout_s",
-            "stream_idle_timeout_s",
-        )
+        for row in models
     ]
+    profile_names = dict(Profile.objects.values_list("id", "name"))
     profiles: dict[int, set[str]] = {}
-    for model_id, profile_name in ServedModel.profiles.through.objects.values_list(
-        "servedmodel_id", "profile__name"
-    ):
-        profiles.setdefault(model_id, set()).add(profile_name)
-    for model_id, profile_name in ServedModel.objects.values_list("id", "default_profile__name"):
-        profiles.setdefault(model_id, set()).add(profile_name)
+    links = ServedModel.profiles.through.objects.values_list("servedmodel_id", "profile_id")
+    pairs = [*links, *((row["id"], row["default_profile_id"]) for row in models)]
+    for model_id, profile_id in pairs:
+        if profile_id in profile_names:
+            profiles.setdefault(model_id, set()).add(profile_names[profile_id])
 
-    replicas = []
     # A replica takes traffic when it is observed ready, meant to run, and its head shard's
     # node is healthy and not draining (drained nodes finish what they hold, take nothing new).
-    shards = (
-        Shard.objects.filter(
-            rank=0,
-            replica__observed=Replica.Observed.READY,
-            replica__desired=Replica.Desired.RUNNING,
-            node__health=Node.Health.READY,
-        )
-        .exclude(node__schedule=Node.Schedule.DRAINING)
-        .values_list(
-            "replica_id", "replica__model_id", "replica__profile__name", "node__addresses", "port"
-        )
+    live = {
+        replica_id: (model_id, profile_id)
+        for replica_id, model_id, profile_id in Replica.objects.filter(
+            observed=Replica.Observed.READY, desired=Replica.Desired.RUNNING
+        ).values_list("id", "model_id", "profile_id")
+    }
+    nodes = dict(
+        Node.objects.filter(health=Node.Health.READY)
+        .exclude(schedule=Node.Schedule.DRAINING)
+        .values_list("id", "addresses")
     )
-    for replica_id, model_id, profile_name, addresses, port in shards:
-        host = next((str(a) for a in (addresses or []) if a), "")
+    replicas = []
+    for replica_id, node_id, port in Shard.objects.filter(rank=0).values_list(
+        "replica_id", "node_id", "port"
+    ):
+        if replica_id not in live or node_id not in nodes:
+            continue
+        host = next((str(a) for a in (nodes[node_id] or []) if a), "")
         if not host:
             logger.warning("replica %s: its node reports no address; not routed", replica_id)
             continue
-        replicas.append(routing.ReplicaRow(replica_id, model_id, profile_name, host, port))
+        model_id, profile_id = live[replica_id]
+        replicas.append(
+            routing.ReplicaRow(replica_id, model_id, profile_names.get(profile_id, ""), host, port)
+        )
 
     endpoints = [
         routing.EndpointRow(f"static:{e.id}", e.url, e.models)

@@ -276,3 +276,17 @@ def close_db_thread() -> None:
     from django.db import connections
 
     SyncToAsync.single_thread_executor.submit(connections.close_all).result()
+
+
+def quiesce(timeout: float = 5.0) -> None:
+    """Wait until the web processes stop adding usage rows (their writer runs every 0.05 s in
+    these tests), so that pytest-django's flush after a test does not race with them:
+    PostgreSQL resolves a TRUNCATE against an INSERT's foreign-key locks as a deadlock and may
+    abort the flush."""
+    deadline = time.monotonic() + timeout
+    last, stable = -1, 0
+    while time.monotonic() < deadline and stable < 3:
+        count = UsageRecord.objects.count()
+        stable = stable + 1 if count == last else 0
+        last = count
+        time.sleep(0.1)

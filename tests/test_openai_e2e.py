@@ -21,6 +21,7 @@ from tests.gateway_live import (
     Proc,
     http,
     make_key,
+    quiesce,
     serve_model,
     sim_metrics,
     start_sim,
@@ -45,6 +46,12 @@ def stack(
     yield web, sims[0], sims[1]
     for proc in (web, *sims):
         proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_after(stack: Any) -> Iterator[None]:
+    yield
+    quiesce()
 
 
 def client(web: Proc, key: str) -> openai.OpenAI:

@@ -21,6 +21,7 @@ from tests.gateway_live import (
     Proc,
     http,
     make_key,
+    quiesce,
     serve_model,
     start_sim,
     start_web,
@@ -57,6 +58,12 @@ def bearer(stack: tuple[Proc, Proc]) -> dict[str, str]:
     serve_model("m", [sim.port])
     wait_until(lambda: b'"string"' in http("GET", web.url + "/v1/models", key=key)[2])
     return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_after(stack: Any) -> Iterator[None]:
+    yield
+    quiesce()
 
 
 def exercise(operation: Any, bearer: dict[str, str], seen: dict[str, set[int]]) -> None:

@@ -17,6 +17,7 @@ from tests.gateway_live import (
     free_port,
     http,
     make_key,
+    quiesce,
     serve_model,
     set_sim_faults,
     sim_metrics,
@@ -56,6 +57,12 @@ def clear_faults(stack: Any) -> Iterator[None]:
     yield
     for sim in stack[1:]:
         http("DELETE", sim.url + "/sim/faults")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_after(stack: Any) -> Iterator[None]:
+    yield
+    quiesce()
 
 
 def client(web: Proc, key: str) -> openai.OpenAI:
