@@ -69,6 +69,25 @@ async def test_a_warm_key_costs_no_query_and_revocation_shows_after_the_ttl(
     assert revoked is not None and revoked.revoked and not revoked.usable(0)
 
 
+async def test_a_key_in_use_is_reloaded_ahead_of_its_ttl_without_waiting(
+    alice: Any, settings: Any
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    settings.LLMGW_KEY_CACHE_TTL = 4.0
+    clock = FakeClock()
+    cache = keys.KeyCache(clock)
+    issued = await sync_to_async(keys.issue)("alice")
+    assert await cache.lookup(issued.key) is not None
+    await sync_to_async(keys.revoke)(issued.api_key.pk)
+    clock.advance(2.5)  # past half the TTL: answered from the cache, reloaded behind it
+    served = await cache.lookup(issued.key)
+    assert served is not None and not served.revoked
+    await cache.settled()
+    reloaded = await cache.lookup(issued.key)
+    assert reloaded is not None and reloaded.revoked
+
+
 async def test_unknown_and_malformed_keys_are_none(alice: Any) -> None:
     assert await keys.authenticate(None) is None
     assert await keys.authenticate("Basic abc") is None
@@ -138,6 +157,7 @@ async def test_a_known_key_keeps_working_while_the_store_is_down(
     await sync_to_async(request.getfixturevalue)("store_unreachable")
     clock.advance(5)
     assert await cache.lookup(issued.key) is not None
+    await cache.settled()
     with pytest.raises(ApiError) as unknown:
         await cache.lookup("llmgw-" + "B" * 43)
     assert unknown.value.status == 503 and unknown.value.retry_after
