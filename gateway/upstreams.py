@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import time
@@ -206,6 +207,11 @@ class Upstreams:
                 logger.exception("routing table refresh failed")
             if not self._first_load.done():
                 self._first_load.set_result(None)
+                # Everything the process keeps is imported and loaded by now. Freezing it takes
+                # it out of the cyclic collector's scans: unfrozen, a full collection of a
+                # web process took 70-400 ms (measured under `make bench`), stalling every
+                # request in flight; frozen, collections only scan what requests allocate.
+                gc.freeze()
             interval = float(settings.LLMGW_ROUTING_REFRESH)
             if any(self.waiting.values()):
                 interval /= 4
