@@ -159,6 +159,9 @@ class Command(BaseCommand):
         assert admin_name is not None
         demo_model = ensure_demo_model()
         api_key = issue_demo_key(admin_name)
+        # Requests a killed earlier run left in its usage journal get their rows now (each
+        # exactly once), before any web process starts writing new ones.
+        call_command("replay_usage", verbosity=0)
         # Metric sums restart with the web tier, not with files of an earlier run.
         metrics.reset_multiprocess_dir()
         try:
