@@ -34,19 +34,13 @@ from typing import Any
 
 import aiohttp
 
+from tests.conftest import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "var" / "bench"
 MODEL = "bench"
 TICKS = os.sysconf("SC_CLK_TCK")
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

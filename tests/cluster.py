@@ -19,9 +19,8 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from django.db import connection
 
 from control import nodes
 from control.models import Event, Node, Replica, ServedModel, Shard
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import REPO_ROOT, child_env, free_port, wait_until
 
 PYTHON = sys.executable
 LIVE = {"starting", "ready", "draining"}
@@ -52,24 +51,6 @@ FAST = {
     "LLMGW_LOG_LEVEL": "INFO",
     "LLMGW_DEBUG_LOGGERS": "control.reconciler",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll until ``check`` returns something truthy; fail naming ``what`` otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 @dataclass

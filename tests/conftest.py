@@ -4,7 +4,9 @@ names (the Makefile runs the suite once on SQLite and once on PostgreSQL)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +91,25 @@ def child_env(**extra: str) -> dict[str, str]:
     env.setdefault("SECRET_KEY", "llmgw-checks-only-not-a-secret")
     env.update(extra)
     return env
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(
+    check: Callable[[], Any], timeout: float = 15.0, what: str = "", interval: float = 0.05
+) -> Any:
+    """Poll ``check`` until it returns something truthy, and return that; fail after
+    ``timeout`` seconds naming ``what`` and the last result."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or check}; last: {last!r}")

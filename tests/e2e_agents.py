@@ -18,16 +18,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from agents.shards import process_start_ticks
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import REPO_ROOT, child_env, free_port
 
 T = TypeVar("T")
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(

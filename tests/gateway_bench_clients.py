@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import httpx
 
-from tests.bench import free_port
+from tests.conftest import free_port
 
 BODY = json.dumps(
     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}

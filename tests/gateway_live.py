@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,28 +28,10 @@ from django.db import transaction
 from control.models import Node, Profile, Replica, ServedModel, Shard
 from gateway import keys
 from gateway.models import ApiKey, UsageRecord
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import REPO_ROOT, child_env, free_port, wait_until
 
 PYTHON = sys.executable
 _names = itertools.count(1)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(check: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with what it last returned."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s; last result: {last!r}")
 
 
 def _port_open(port: int) -> bool:

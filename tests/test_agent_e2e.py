@@ -27,7 +27,8 @@ from websockets.sync.client import connect
 from agents.protocol import NODE_HEADER, CloseCode, Hello, encode
 from control import nodes
 from control.models import Event, Lease, Node, Profile, Replica, ServedModel, Shard
-from tests.e2e_agents import Cluster, Proc, free_port, start_redis, wait_for
+from tests.conftest import free_port
+from tests.e2e_agents import Cluster, Proc, start_redis, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,14 +26,9 @@ from agents.protocol import (
     WeightsState,
 )
 from agents.shards import Supervisor, SupervisorConfig
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def alive(pid: int) -> bool:

@@ -36,9 +36,9 @@ from tests.cluster import (
     steal_lease,
     table_locked,
     tick_times,
-    wait_until,
     writes_by_epoch_in_commit_order,
 )
+from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.e2e, pytest.mark.timeout(420)]
 

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from control.models import Profile, Replica
-from tests.cluster import engine_processes, free_port, wait_until
-from tests.conftest import REPO_ROOT, child_env
+from tests.cluster import engine_processes
+from tests.conftest import REPO_ROOT, child_env, free_port, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.e2e, pytest.mark.timeout(300)]
 

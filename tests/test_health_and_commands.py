@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from django.core.management import call_command
 from django.test import AsyncClient
 
 from control import leases
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import REPO_ROOT, child_env, free_port
 
 
 @pytest.mark.django_db
@@ -96,12 +95,6 @@ def test_agents_package_imports_without_django() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_run_starts_every_process_on_one_port_and_stops_them_all(tmp_path: Any) -> None:

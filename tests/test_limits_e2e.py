@@ -11,15 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway_live import (
-    http,
-    make_key,
-    serve_model,
-    start_sim,
-    start_web,
-    wait_for_rows,
-    wait_until,
-)
+from tests.conftest import wait_until
+from tests.gateway_live import http, make_key, serve_model, start_sim, start_web, wait_for_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from control import leases
 from control.models import Node
 from llmgw_site import metrics
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import REPO_ROOT, child_env, wait_until
 from tests.fleet import make_model, make_node, make_replica
-from tests.gateway_live import Proc, http, make_key, serve_model, start_sim, start_web, wait_until
+from tests.gateway_live import Proc, http, make_key, serve_model, start_sim, start_web
 
 TOKEN = "metrics-test-token-0123456789"
 

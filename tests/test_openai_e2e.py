@@ -17,6 +17,7 @@ from django.utils import timezone
 from control.models import ServedModel
 from gateway import keys
 from gateway.models import ApiKey
+from tests.conftest import wait_until
 from tests.gateway_live import (
     Proc,
     http,
@@ -28,7 +29,6 @@ from tests.gateway_live import (
     start_web,
     usage_rows,
     wait_for_rows,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

@@ -17,16 +17,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.gateway_live import (
-    Proc,
-    http,
-    make_key,
-    quiesce,
-    serve_model,
-    start_sim,
-    start_web,
-    wait_until,
-)
+from tests.conftest import wait_until
+from tests.gateway_live import Proc, http, make_key, quiesce, serve_model, start_sim, start_web
 
 CHECKS = [
     not_a_server_error,

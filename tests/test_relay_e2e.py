@@ -12,9 +12,9 @@ from typing import Any
 import openai
 import pytest
 
+from tests.conftest import free_port, wait_until
 from tests.gateway_live import (
     Proc,
-    free_port,
     http,
     make_key,
     quiesce,
@@ -24,7 +24,6 @@ from tests.gateway_live import (
     start_sim,
     start_web,
     wait_for_rows,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

@@ -11,6 +11,7 @@ import pytest
 from django.core.management import call_command
 
 from gateway.models import UsageRecord
+from tests.conftest import wait_until
 from tests.gateway_live import (
     Proc,
     http,
@@ -20,7 +21,6 @@ from tests.gateway_live import (
     start_sim,
     start_web,
     usage_rows,
-    wait_until,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
