@@ -319,36 +319,28 @@ class NodeAdmin(admin.ModelAdmin[Node]):
 # --------------------------------------------------------------------------- what runs
 
 
+# Shards are placed by the reconciler and reported by agents: shown, never edited.
+SHARD_COLUMNS: tuple[str, ...] = (
+    "node",
+    "rank",
+    "gpu_indices",
+    "port",
+    "observed",
+    "exit_code",
+    "failure_class",
+    "message",
+    "requests_running",
+    "requests_waiting",
+    "updated_at",
+)
+
+
 class ShardInline(admin.TabularInline[Shard, Replica]):
     model = Shard
     extra = 0
     can_delete = False
-    fields = [
-        "node",
-        "rank",
-        "gpu_indices",
-        "port",
-        "observed",
-        "exit_code",
-        "failure_class",
-        "message",
-        "requests_running",
-        "requests_waiting",
-        "updated_at",
-    ]
-    readonly_fields = [
-        "node",
-        "rank",
-        "gpu_indices",
-        "port",
-        "observed",
-        "exit_code",
-        "failure_class",
-        "message",
-        "requests_running",
-        "requests_waiting",
-        "updated_at",
-    ]
+    fields = SHARD_COLUMNS
+    readonly_fields = SHARD_COLUMNS
 
     def has_add_permission(self, request: HttpRequest, obj: Replica | None = None) -> bool:
         return False

@@ -63,7 +63,6 @@ class ReplicaView:
     observed: str
     failures: int
     backoff_until: datetime | None
-    created_at: datetime
     last_request_at: datetime | None
     shards: list[ShardView] = field(default_factory=list)
 
@@ -82,6 +81,9 @@ class Snapshot:
 
     def replicas_of(self, model_id: int) -> list[ReplicaView]:
         return [r for r in self.replicas if r.model_id == model_id]
+
+    def node_id(self, name: str) -> int:
+        return next(pk for pk, node in self.nodes.items() if node.name == name)
 
 
 def read_snapshot(now: datetime) -> Snapshot:
@@ -105,7 +107,6 @@ def read_snapshot(now: datetime) -> Snapshot:
             replica.observed,
             replica.failures,
             replica.backoff_until,
-            replica.created_at,
             replica.last_request_at,
         )
     for shard in Shard.objects.filter(replica_id__in=list(replicas)).order_by("replica_id", "rank"):
@@ -212,8 +213,8 @@ def _node_ids(replica_id: int) -> list[int]:
 
 def create_replica(
     lead: Leadership, model: ServedModel, where: placement.Placement, reason: str
-) -> int | None:
-    """Place a new replica of ``model``; None when the fence or a racing write refused it."""
+) -> int:
+    """Place a new replica of ``model``; raises LeadershipLost when the fence refuses it."""
     node_ids = {n.name: n.pk for n in Node.objects.filter(name__in=[s.node for s in where.shards])}
     with leases.fenced(lead):
         replica = Replica.objects.create(
@@ -477,8 +478,6 @@ def _scale(lead: Leadership, snapshot: Snapshot, model: ServedModel, result: Tic
             break
         why = "replacing a replica on a draining node" if leaving else "wanted by demand"
         replica_id = create_replica(lead, model, outcome, why)
-        if replica_id is None:
-            break
         result.placed += 1
         # The next placement in this tick must see what this one took.
         snapshot.replicas.append(
@@ -489,12 +488,9 @@ def _scale(lead: Leadership, snapshot: Snapshot, model: ServedModel, result: Tic
                 Replica.Observed.PENDING,
                 0,
                 None,
-                snapshot.now,
                 None,
                 [
-                    ShardView(
-                        0, snapshot_node_id(snapshot, s.node), s.rank, s.gpu_indices, s.port, ""
-                    )
+                    ShardView(0, snapshot.node_id(s.node), s.rank, s.gpu_indices, s.port, "")
                     for s in outcome.shards
                 ],
             )
@@ -532,10 +528,6 @@ def _scale(lead: Leadership, snapshot: Snapshot, model: ServedModel, result: Tic
             why=why,
         ):
             result.changed += 1
-
-
-def snapshot_node_id(snapshot: Snapshot, name: str) -> int:
-    return next(pk for pk, node in snapshot.nodes.items() if node.name == name)
 
 
 def _evict_for(

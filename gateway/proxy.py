@@ -421,10 +421,12 @@ async def _open(ex: Exchange) -> Opened:
     last: ApiError = ApiError(
         503, f"No upstream serves '{ex.route.name}' now.", "no_upstream", retry_after=5
     )
-    for _ in range(attempts):
+    for attempt in range(attempts):
         upstream = upstreams.choose(ex.route, exclude=ex.tried) or upstreams.choose(ex.route)
         if upstream is None:
             break
+        if attempt:
+            metrics.observe_retry(ex.route.name, last.code)
         ex.tried.add(upstream.id)
         try:
             outcome = await _attempt(ex, upstream, deadlines)
@@ -435,8 +437,6 @@ async def _open(ex: Exchange) -> Opened:
             return outcome
         last, wait = outcome
         metrics.observe_upstream_error(ex.route.name, last.code)
-        if len(ex.tried) < attempts:
-            metrics.observe_retry(ex.route.name, last.code)
         untried = any(u.id not in ex.tried for u in ex.route.upstreams)
         if wait is not None and not untried:
             if wait > float(settings.LLMGW_RETRY_AFTER_MAX):

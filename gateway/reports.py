@@ -29,23 +29,24 @@ _GROUP_EXPRESSIONS: dict[GroupBy, Any] = {
     "day": TruncDate("started_at"),
 }
 
-ROW_FIELDS = (
-    "request_id",
-    "started_at",
-    "user",
-    "api_key",
-    "model",
-    "endpoint",
-    "upstream",
-    "status",
-    "stream",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "ttft_ms",
-    "duration_ms",
-    "finish_reason",
-)
+# CSV column -> the lookup that fills it, in column order: the one list of what an export holds.
+ROW_COLUMNS = {
+    "request_id": "request_id",
+    "started_at": "started_at",
+    "user": "user__username",
+    "api_key": "api_key__prefix",
+    "model": "model",
+    "endpoint": "endpoint",
+    "upstream": "upstream",
+    "status": "status",
+    "stream": "stream",
+    "prompt_tokens": "prompt_tokens",
+    "completion_tokens": "completion_tokens",
+    "cached_tokens": "cached_tokens",
+    "ttft_ms": "ttft_ms",
+    "duration_ms": "duration_ms",
+    "finish_reason": "finish_reason",
+}
 SUMMARY_FIELDS = (
     "group",
     "requests",
@@ -158,28 +159,19 @@ def _safe(value: object) -> object:
     return value
 
 
+def _cell(value: object) -> object:
+    """One value as the export writes it: times in ISO 8601, milliseconds to 0.1, no None."""
+    if value is None:
+        return ""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, float):
+        return round(value, 1)
+    return _safe(value)
+
+
 def _row_values(record: Mapping[str, Any]) -> list[object]:
-    started: datetime = record["started_at"]
-    return [
-        _safe(v)
-        for v in (
-            record["request_id"],
-            started.isoformat(),
-            record["user__username"] or "",
-            record["api_key__prefix"] or "",
-            record["model"],
-            record["endpoint"],
-            record["upstream"],
-            record["status"],
-            record["stream"],
-            record["prompt_tokens"],
-            record["completion_tokens"],
-            record["cached_tokens"],
-            "" if record["ttft_ms"] is None else round(record["ttft_ms"], 1),
-            round(record["duration_ms"], 1),
-            record["finish_reason"],
-        )
-    ]
+    return [_cell(record[lookup]) for lookup in ROW_COLUMNS.values()]
 
 
 class _Line:
@@ -192,24 +184,8 @@ class _Line:
 def csv_lines(rows: QuerySet[UsageRecord]) -> Iterator[str]:
     """The rows as CSV, header first, one line at a time (for a streaming response)."""
     writer = csv.writer(_Line())
-    yield writer.writerow(ROW_FIELDS)
-    values = rows.order_by("started_at", "id").values(
-        "request_id",
-        "started_at",
-        "user__username",
-        "api_key__prefix",
-        "model",
-        "endpoint",
-        "upstream",
-        "status",
-        "stream",
-        "prompt_tokens",
-        "completion_tokens",
-        "cached_tokens",
-        "ttft_ms",
-        "duration_ms",
-        "finish_reason",
-    )
+    yield writer.writerow(ROW_COLUMNS)
+    values = rows.order_by("started_at", "id").values(*ROW_COLUMNS.values())
     for record in values.iterator(chunk_size=2000):
         yield writer.writerow(_row_values(record))
 
