@@ -6,7 +6,7 @@ state (what agents and the reconciler write) is read-only here. Changes with con
 (``control.operations``, ``control.nodes``), which records an Event and tells the agents.
 
 The admin index is the cluster dashboard (``templates/admin/index.html``); its data comes
-from :func:`dashboard_data`, polled by the page.
+from ``llmgw_site.views.dashboard_data``, polled by the page.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import Count, Q, QuerySet
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from agents.protocol import valid_weights_name
-from control import catalog, dashboard, nodes, operations
+from control import catalog, nodes, operations
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 
 _Record = TypeVar("_Record", Lease, Event)
@@ -35,25 +35,6 @@ admin.site.site_url = "/account/"
 def actor(request: HttpRequest) -> str:
     """Who did it, for the audit trail."""
     return f"admin:{request.user.get_username()}"
-
-
-# --------------------------------------------------------------------------- the dashboard
-
-
-def dashboard_data(request: HttpRequest) -> JsonResponse:
-    """The dashboard's JSON. Staff only: 401 without a session, 403 for non-staff users.
-
-    Answers with a status (not a redirect to the login page) because a script reads it: the
-    page shows "signed out" instead of trying to parse a login form.
-    """
-    user = request.user
-    if not user.is_authenticated:
-        return JsonResponse({"error": "not signed in"}, status=401)
-    if not (user.is_active and user.is_staff):
-        return JsonResponse({"error": "staff only"}, status=403)
-    response = JsonResponse(dashboard.snapshot())
-    response["Cache-Control"] = "no-store"
-    return response
 
 
 # --------------------------------------------------------------------------- the catalog

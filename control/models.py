@@ -297,6 +297,14 @@ class Shard(models.Model):
         return f"{self.replica}/rank{self.rank}@{self.node.name}:{self.port}"
 
 
+# Shards in these observed states hold their GPUs and port whatever is desired: the process
+# may be running. A shard the agent never started, or reported stopped or failed, holds nothing
+# once its replica is desired stopped.
+LIVE_SHARD_STATES = frozenset(
+    {Replica.Observed.STARTING, Replica.Observed.READY, Replica.Observed.DRAINING}
+)
+
+
 class Lease(models.Model):
     """The leadership row. Only ``control.leases`` writes it, in single guarded statements.
 

@@ -29,16 +29,9 @@ from django.utils import timezone
 
 from control import leases, lifecycle, nodes, placement, weights
 from control.leases import Leadership, LeadershipLost
-from control.models import Event, Node, Replica, ServedModel, Shard
+from control.models import LIVE_SHARD_STATES, Event, Node, Replica, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
-
-# Shards in these observed states hold their GPUs and port whatever is desired: the process
-# may be running. A shard the agent never started, or reported stopped or failed, holds nothing
-# once its replica is desired stopped.
-LIVE_SHARD_STATES = frozenset(
-    {Replica.Observed.STARTING, Replica.Observed.READY, Replica.Observed.DRAINING}
-)
 
 
 # --------------------------------------------------------------------------- the snapshot

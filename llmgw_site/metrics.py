@@ -1,4 +1,4 @@
-"""Prometheus metrics: what the request path counts, and the fleet as the database sees it.
+"""Prometheus metrics: what the request path and the control plane count, and the exposition.
 
 Several web processes serve one port, so a scrape lands on any one of them. Counters and
 histograms therefore live in prometheus_client's *multiprocess* mode: every process writes its
@@ -7,12 +7,10 @@ before anything imports prometheus_client) and the scrape sums the files of all 
 process that died keeps its counters in the sum (counters must not go backwards); its *live*
 gauges are dropped at the next scrape (:func:`forget_dead_processes`).
 
-Fleet gauges (nodes by state, GPUs, replicas per model, the lease) are not kept in processes
-at all: they are computed from the database at scrape time (:class:`FleetCollector`), so every
-process answers the same and nothing drifts.
-
-``/metrics`` is not public: it answers only a request carrying ``Authorization: Bearer
-$LLMGW_METRICS_TOKEN``, and is off (404) while that variable is unset.
+This module imports nothing of ours, so the request path and the control plane can both count
+without pulling in each other. What is read from the store at scrape time (the fleet gauges,
+``control.gauges``) is handed to :func:`exposition` by the ``/metrics`` view
+(``llmgw_site.views``).
 
 The request path calls the ``observe_*`` functions below. Model labels must be catalog names
 (or ``UNKNOWN_MODEL``), never a string a client sent, so a client cannot grow the label set.
@@ -22,29 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hmac
-import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
-from datetime import timedelta
 from pathlib import Path
 
-from django.conf import settings
-from django.db import DatabaseError, connection
-from django.db.models import Count
-from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.utils import timezone
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
-
-from control import leases
-from control.dashboard import allocated_gpu_keys
-from control.models import Gpu, Node, Replica
-
-logger = logging.getLogger(__name__)
+from prometheus_client.registry import Collector
 
 UNKNOWN_MODEL = "(unknown)"
 _MAX_LABEL = 200
@@ -220,164 +204,18 @@ def reset_multiprocess_dir(path: Path | None = None) -> None:
             os.remove(name)
 
 
-# --------------------------------------------------------------------------- the fleet
+# --------------------------------------------------------------------------- the exposition
 
 
-NODE_STATES = ("new", "ready", "cordoned", "draining", "unreachable", "lost")
-
-
-class FleetCollector:
-    """Gauges read from the database at scrape time. Six small queries; a store that cannot
-    be reached yields ``llmgw_store_up 0`` and no fleet gauges instead of a failed scrape."""
-
-    def collect(self) -> Iterable[Metric]:
-        try:
-            families = list(self._fleet())
-        except DatabaseError as exc:
-            connection.close_if_unusable_or_obsolete()
-            logger.warning("metrics: fleet gauges skipped, store unreachable (%s)", exc)
-            families = []
-        up = GaugeMetricFamily("llmgw_store_up", "1 if the database answered this scrape.")
-        up.add_metric([], 1.0 if families else 0.0)
-        yield up
-        yield from families
-
-    def _fleet(self) -> Iterator[Metric]:
-        nodes = GaugeMetricFamily("llmgw_nodes", "Nodes by state.", labels=["state"])
-        counts = dict.fromkeys(NODE_STATES, 0)
-        for node in Node.objects.only("schedule", "health"):
-            counts[node.state] = counts.get(node.state, 0) + 1
-        for state, count in counts.items():
-            nodes.add_metric([state], count)
-        yield nodes
-
-        gpus = list(
-            Gpu.objects.values_list("node_id", "index", "memory_total_mib", "memory_used_mib")
-        )
-        allocated = allocated_gpu_keys()
-        yield _gauge("llmgw_gpus", "GPUs the agents report.", len(gpus))
-        yield _gauge(
-            "llmgw_gpus_allocated",
-            "GPUs held by a shard of a replica that is not stopped.",
-            sum(1 for node_id, index, _, _ in gpus if (node_id, index) in allocated),
-        )
-        mib = 1024 * 1024
-        yield _gauge(
-            "llmgw_gpu_memory_total_bytes",
-            "GPU memory the agents report, in total.",
-            sum(total for _, _, total, _ in gpus) * mib,
-        )
-        yield _gauge(
-            "llmgw_gpu_memory_used_bytes",
-            "GPU memory in use, as the agents last reported it.",
-            sum(used for _, _, _, used in gpus) * mib,
-        )
-
-        replicas = GaugeMetricFamily(
-            "llmgw_replicas",
-            "Replicas that are wanted or still running, by model and observed state.",
-            labels=["model", "state"],
-        )
-        rows = (
-            Replica.objects.exclude(
-                desired=Replica.Desired.STOPPED,
-                observed__in=[Replica.Observed.STOPPED, Replica.Observed.FAILED],
-            )
-            .values_list("model__name", "observed")
-            .annotate(n=Count("id"))
-            .order_by()
-        )
-        for model_name, observed, count in rows:
-            replicas.add_metric([model_name, observed], count)
-        yield replicas
-
-        cold = GaugeMetricFamily(
-            "llmgw_replica_last_cold_start_seconds",
-            "Placement to first ready report of each model's most recent replica.",
-            labels=["model"],
-        )
-        latest: dict[str, float] = {}
-        recent = (
-            Replica.objects.filter(
-                ready_at__isnull=False, ready_at__gte=timezone.now() - timedelta(days=7)
-            )
-            .order_by("model__name", "-ready_at")
-            .values_list("model__name", "created_at", "ready_at")
-        )
-        for model_name, created_at, ready_at in recent:
-            if model_name not in latest and ready_at is not None:
-                latest[model_name] = max(0.0, (ready_at - created_at).total_seconds())
-        for model_name, seconds in latest.items():
-            cold.add_metric([model_name], seconds)
-        yield cold
-
-        election = leases.election_enabled()
-        yield _gauge(
-            "llmgw_leader_election_enabled",
-            "1 if leader election is on; off means the single control plane leads.",
-            1.0 if election else 0.0,
-        )
-        view = leases.read() if election else None
-        held = view is not None and view.held
-        yield _gauge("llmgw_lease_held", "1 if some process holds the lease now.", float(held))
-        yield _gauge(
-            "llmgw_leader_epoch",
-            "The lease's epoch (0 before any claim).",
-            view.epoch if view else 0,
-        )
-        yield _gauge(
-            "llmgw_lease_expires_in_seconds",
-            "Seconds until the lease expires unless renewed (negative: expired).",
-            view.expires_in if view else 0.0,
-        )
-        leader = GaugeMetricFamily(
-            "llmgw_leader_info", "1 for the process that holds the lease.", labels=["owner"]
-        )
-        if view is not None and held:
-            leader.add_metric([view.owner], 1.0)
-        yield leader
-
-
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, documentation)
-    family.add_metric([], float(value))
-    return family
-
-
-def scrape(accept: str = "") -> tuple[bytes, str]:
-    """The exposition and its content type: every process's samples summed, plus the fleet
-    from the store. The format follows the scraper's Accept header (Prometheus text 0.0.4
-    when it names none; OpenMetrics when asked), as prometheus_client's own handlers do."""
+def exposition(accept: str = "", collectors: Iterable[Collector] = ()) -> tuple[bytes, str]:
+    """The exposition and its content type: every process's samples summed, plus what the
+    given collectors read at scrape time. The format follows the scraper's Accept header
+    (Prometheus text 0.0.4 when it names none; OpenMetrics when asked), as prometheus_client's
+    own handlers do."""
     forget_dead_processes()
     registry = CollectorRegistry()
     MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-    registry.register(FleetCollector())
+    for collector in collectors:
+        registry.register(collector)
     encoder, content_type = choose_encoder(accept)
     return bytes(encoder(registry)), content_type
-
-
-# --------------------------------------------------------------------------- the endpoint
-
-
-def _authorized(request: HttpRequest, token: str) -> bool:
-    header = request.headers.get("Authorization", "")
-    scheme, _, presented = header.partition(" ")
-    if scheme.lower() != "bearer" or not presented:
-        return False
-    # Constant time, so the response time says nothing about how much of a guess was right.
-    return hmac.compare_digest(presented.strip().encode(), token.encode())
-
-
-def metrics_view(request: HttpRequest) -> HttpResponse:
-    """``GET /metrics`` for Prometheus, with ``Authorization: Bearer $LLMGW_METRICS_TOKEN``."""
-    token = str(settings.LLMGW_METRICS_TOKEN)
-    if not token:
-        return JsonResponse(
-            {"error": "metrics are off; set LLMGW_METRICS_TOKEN to turn them on"}, status=404
-        )
-    if not _authorized(request, token):
-        response = JsonResponse({"error": "a valid bearer token is required"}, status=401)
-        response["WWW-Authenticate"] = 'Bearer realm="llmgw metrics"'
-        return response
-    body, content_type = scrape(request.headers.get("Accept", ""))
-    return HttpResponse(body, content_type=content_type)

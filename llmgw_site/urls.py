@@ -1,10 +1,9 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from control.admin import dashboard_data
 from control.views import healthz
 from gateway.api import api as gateway_api
-from llmgw_site.metrics import metrics_view
+from llmgw_site.views import dashboard_data, metrics_view
 
 urlpatterns = [
     path("v1/", gateway_api.urls),

@@ -11,8 +11,10 @@ from django.test import Client
 from django.utils import timezone
 
 from control import dashboard, leases
-from control.dashboard import TTFT_BOUNDS_MS, quantile
 from control.models import Event, Node, Replica
+from gateway import traffic as gateway_traffic
+from gateway.traffic import TTFT_BOUNDS_MS, quantile
+from llmgw_site.views import dashboard_snapshot
 from tests.fleet import make_key, make_model, make_node, make_replica, make_usage, make_user
 
 
@@ -137,7 +139,7 @@ def test_traffic_per_minute_has_rates_errors_and_ttft_percentiles() -> None:
     make_usage(model="llama3", api_key=key, started_at=minute_ago, status=503, ttft_ms=None)
     make_usage(model="qwen", api_key=key, started_at=now - timedelta(minutes=90))  # too old
 
-    traffic = dashboard.traffic(now)
+    traffic = gateway_traffic.traffic(now)
     assert list(traffic["models"]) == ["llama3"]
     series = traffic["models"]["llama3"]
     i = len(traffic["minutes"]) - 2  # the minute before the current one
@@ -160,7 +162,7 @@ def test_snapshot_costs_a_fixed_number_of_queries(django_assert_max_num_queries:
         for _ in range(5):
             make_usage(model=model.name, api_key=key)
     with django_assert_max_num_queries(7):  # the first poll of a minute; later ones 6
-        data = dashboard.snapshot()
+        data = dashboard_snapshot()
     assert len(data["nodes"]) == 6 and len(data["traffic"]["models"]) == 6
 
 
@@ -206,10 +208,10 @@ def test_minutes_that_are_over_are_aggregated_once_and_the_current_one_each_poll
     now = timezone.now().replace(second=40, microsecond=0)
     make_usage(model="llama3", api_key=key, started_at=now - timedelta(minutes=5))
     with django_assert_num_queries(2):
-        first = dashboard.traffic(now)
+        first = gateway_traffic.traffic(now)
     make_usage(model="llama3", api_key=key, started_at=now - timedelta(seconds=5))
     with django_assert_num_queries(1):
-        second = dashboard.traffic(now + timedelta(seconds=5))
+        second = gateway_traffic.traffic(now + timedelta(seconds=5))
     assert sum(first["models"]["llama3"]["requests_per_s"]) == pytest.approx(1 / 60, abs=1e-3)
     assert second["models"]["llama3"]["requests_per_s"][-1] > 0  # the new row, at once
     assert (

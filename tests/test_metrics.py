@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control import leases
 from control.models import Node
-from llmgw_site import metrics
+from llmgw_site import metrics, views
 from tests.conftest import REPO_ROOT, child_env, wait_until
 from tests.fleet import make_model, make_node, make_replica
 from tests.gateway_live import Proc, http, make_key, serve_model, start_sim, start_web
@@ -209,7 +209,7 @@ def test_leader_and_epoch_are_in_the_fleet_gauges(token: str, election_on: Any) 
 def test_a_scrape_with_the_store_down_still_answers_and_says_so(
     token: str, store_unreachable: None
 ) -> None:
-    text = metrics.scrape()[0].decode()
+    text = views.scrape()[0].decode()
     assert value(text, "llmgw_store_up") == 0
     assert "llmgw_nodes" not in text
 
