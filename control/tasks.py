@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_process_shutdown, worker_shutdown
 from django.conf import settings
 
-from control import reconciler
-
-logger = logging.getLogger(__name__)
+from control import reconciler, serving
 
 
 @shared_task(
-    name="control.tasks.reconcile",
+    # By name, so the web process asks for a tick without importing this module's reconciler.
+    name=serving.RECONCILE_TASK,
     ignore_result=True,
     # A tick that outlives the renew deadline could not write anyway (the fence refuses);
     # stop it rather than let it hold the worker.
@@ -25,15 +23,6 @@ logger = logging.getLogger(__name__)
 def reconcile() -> None:
     """One tick, acting only if this process leads (beat sends one about every second)."""
     reconciler.process_reconciler().run_once()
-
-
-def request_tick() -> None:
-    """Ask for a tick now instead of at the next beat (a cold model has a request waiting).
-    Best effort and never blocking: the beat's next tick does the same work anyway."""
-    try:
-        reconcile.apply_async(expires=settings.LLMGW_RECONCILE_INTERVAL, retry=False)
-    except Exception as exc:  # a broker that is down must not fail the request path
-        logger.warning("could not ask for an early reconcile tick: %s", type(exc).__name__)
 
 
 @worker_process_shutdown.connect

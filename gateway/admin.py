@@ -21,7 +21,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 from django.utils import timezone
 
-from control.models import ServedModel
+from control import serving
 from gateway import keys, reports
 from gateway.models import ApiKey, Endpoint, UsageRecord
 
@@ -182,7 +182,7 @@ class ModelFilter(admin.SimpleListFilter):
     parameter_name = "model"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = list(ServedModel.objects.order_by("name").values_list("name", flat=True))
+        names = serving.catalog_names()
         # A model no longer in the catalog still filters when named in the URL.
         chosen = self.value()
         if chosen and chosen not in names:

@@ -17,100 +17,44 @@ import gc
 import itertools
 import logging
 import time
-from datetime import timedelta
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError
-from django.db.models import Q
 from django.db.models.signals import post_delete, post_save
-from django.utils import timezone
 
-from control.models import Node, Profile, Replica, ServedModel, Shard
-from control.tasks import request_tick
+from control import serving
 from gateway import dbthread, routing
 from gateway.errors import ApiError
 from gateway.models import Endpoint
 
 logger = logging.getLogger(__name__)
 
-# Demand and last-request stamps are written at most this often per model and process.
-STAMP_EVERY_S = 5.0
-
 
 def load_table(version: int = 0) -> routing.Table:
-    """Read the rows that route traffic and build a table (runs in the database thread).
-
-    Every query reads one table and the join happens here. A query over several tables holds
-    a lock on one while it waits for the next, and that deadlocks against anything that locks
-    them all exclusively (a migration, a TRUNCATE): PostgreSQL then aborts one side. One
-    table per statement cannot be part of such a cycle.
-    """
+    """Read what routes traffic and build a table (runs in the database thread): the catalog
+    and the ready replicas from the control plane, the static endpoints from here."""
     dbthread.ready()
-    models = list(
-        ServedModel.objects.values(
-            "id",
-            "name",
-            "aliases",
-            "enabled",
-            "activation_timeout_s",
-            "max_waiting",
-            "connect_timeout_s",
-            "first_byte_timeout_s",
-            "stream_idle_timeout_s",
-            "default_profile_id",
-        )
-    )
+    snapshot = serving.routing_snapshot()
     catalog = [
         routing.CatalogRow(
-            id=row["id"],
-            name=row["name"],
-            aliases=tuple(str(a) for a in (row["aliases"] or [])),
-            enabled=row["enabled"],
-            activation_timeout_s=float(row["activation_timeout_s"]),
-            max_waiting=int(row["max_waiting"]),
-            connect_timeout_s=row["connect_timeout_s"],
-            first_byte_timeout_s=row["first_byte_timeout_s"],
-            stream_idle_timeout_s=row["stream_idle_timeout_s"],
+            id=entry.id,
+            name=entry.name,
+            aliases=entry.aliases,
+            enabled=entry.enabled,
+            activation_timeout_s=entry.activation_timeout_s,
+            max_waiting=entry.max_waiting,
+            connect_timeout_s=entry.connect_timeout_s,
+            first_byte_timeout_s=entry.first_byte_timeout_s,
+            stream_idle_timeout_s=entry.stream_idle_timeout_s,
         )
-        for row in models
+        for entry in snapshot.models
     ]
-    profile_names = dict(Profile.objects.values_list("id", "name"))
-    profiles: dict[int, set[str]] = {}
-    links = ServedModel.profiles.through.objects.values_list("servedmodel_id", "profile_id")
-    pairs = [*links, *((row["id"], row["default_profile_id"]) for row in models)]
-    for model_id, profile_id in pairs:
-        if profile_id in profile_names:
-            profiles.setdefault(model_id, set()).add(profile_names[profile_id])
-
-    # A replica takes traffic when it is observed ready, meant to run, and its head shard's
-    # node is healthy and not draining (drained nodes finish what they hold, take nothing new).
-    live = {
-        replica_id: (model_id, profile_id)
-        for replica_id, model_id, profile_id in Replica.objects.filter(
-            observed=Replica.Observed.READY, desired=Replica.Desired.RUNNING
-        ).values_list("id", "model_id", "profile_id")
-    }
-    nodes = dict(
-        Node.objects.filter(health=Node.Health.READY)
-        .exclude(schedule=Node.Schedule.DRAINING)
-        .values_list("id", "addresses")
-    )
-    replicas = []
-    for replica_id, node_id, port in Shard.objects.filter(rank=0).values_list(
-        "replica_id", "node_id", "port"
-    ):
-        if replica_id not in live or node_id not in nodes:
-            continue
-        host = next((str(a) for a in (nodes[node_id] or []) if a), "")
-        if not host:
-            logger.warning("replica %s: its node reports no address; not routed", replica_id)
-            continue
-        model_id, profile_id = live[replica_id]
-        replicas.append(
-            routing.ReplicaRow(replica_id, model_id, profile_names.get(profile_id, ""), host, port)
-        )
+    profiles = {entry.id: set(entry.profiles) for entry in snapshot.models if entry.profiles}
+    replicas = [
+        routing.ReplicaRow(r.id, r.model_id, r.profile, r.host, r.port) for r in snapshot.replicas
+    ]
 
     endpoints = [
         routing.EndpointRow(f"static:{e.id}", e.url, e.models)
@@ -282,45 +226,31 @@ class Upstreams:
             await sync_to_async(write_stamps)(due_demand, due_last)
 
     def _due(self, key: tuple[str, int], now: float) -> bool:
-        if now - self._stamped.get(key, -STAMP_EVERY_S) < STAMP_EVERY_S:
+        # The control plane keeps stamps to this precision; writing more often is wasted.
+        every = serving.STAMP_EVERY_S
+        if now - self._stamped.get(key, -every) < every:
             return False
         self._stamped[key] = now
         return True
 
 
 def write_stamps(demand: set[int], last_request: set[tuple[str, int]]) -> None:
-    """Record demand and last-request times: conditional updates, so processes do not pile up
-    writes (a stamp younger than the coalescing window is left alone)."""
-    now = timezone.now()
-    fresh = now - timedelta(seconds=STAMP_EVERY_S)
-    if demand:
-        recorded = (
-            ServedModel.objects.filter(pk__in=demand)
-            .filter(Q(demand_at__isnull=True) | Q(demand_at__lt=fresh))
-            .update(demand_at=now)
-        )
-        if recorded:
-            # Start the cold model on a tick now rather than at the next beat.
-            request_tick()
-    models = [i for kind, i in last_request if kind == "model"]
-    replicas = [i for kind, i in last_request if kind == "replica"]
-    if models:
-        ServedModel.objects.filter(pk__in=models).filter(
-            Q(last_request_at__isnull=True) | Q(last_request_at__lt=fresh)
-        ).update(last_request_at=now)
-    if replicas:
-        Replica.objects.filter(pk__in=replicas).filter(
-            Q(last_request_at__isnull=True) | Q(last_request_at__lt=fresh)
-        ).update(last_request_at=now)
+    """Report demand and last requests to the control plane (which writes them only where its
+    stamp is older than ``serving.STAMP_EVERY_S``, so processes do not pile up writes)."""
+    serving.record_demand(demand)
+    serving.record_requests(
+        [i for kind, i in last_request if kind == "model"],
+        [i for kind, i in last_request if kind == "replica"],
+    )
 
 
 upstreams = Upstreams()
 
 
-def _routing_row_changed(sender: Any, **kwargs: Any) -> None:
+def _endpoint_changed(sender: Any, **kwargs: Any) -> None:
     upstreams.request_refresh()
 
 
-for _model in (ServedModel, Profile, Replica, Shard, Node, Endpoint):
-    post_save.connect(_routing_row_changed, sender=_model, dispatch_uid=f"llmgw-route-{_model}")
-    post_delete.connect(_routing_row_changed, sender=_model, dispatch_uid=f"llmgw-route-d{_model}")
+serving.on_routing_change(upstreams.request_refresh)
+post_save.connect(_endpoint_changed, sender=Endpoint, dispatch_uid="llmgw-route-endpoint")
+post_delete.connect(_endpoint_changed, sender=Endpoint, dispatch_uid="llmgw-route-d-endpoint")

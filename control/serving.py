@@ -1,0 +1,209 @@
+"""What the gateway needs from the control plane, as plain data: the one module it imports.
+
+The gateway routes by a table it builds from :func:`routing_snapshot` (the catalog, and the
+replicas ready to take traffic with where they listen), and reports back what the reconciler
+acts on: :func:`record_demand` (a request found no ready replica: start one) and
+:func:`record_requests` (a model and a replica are in use: do not scale them down). It hears of
+changes to routing rows through :func:`on_routing_change`. Nothing here hands out a model
+instance, so the control plane may change its tables behind these functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from celery import current_app
+from django.conf import settings
+from django.db.models import Q
+from django.db.models.signals import post_delete, post_save
+from django.utils import timezone
+
+from control.models import Node, Profile, Replica, ServedModel, Shard
+
+logger = logging.getLogger(__name__)
+
+# Demand and last-request stamps are precise to this many seconds: a stamp younger than this is
+# left alone, so web processes do not pile up writes (and each coalesces its own to this rate).
+STAMP_EVERY_S = 5.0
+# The reconcile tick's Celery name (``control.tasks``), sent by name so that asking for a tick
+# does not import the reconciler into the web process.
+RECONCILE_TASK = "control.tasks.reconcile"
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A model clients may ask for, with what routing needs of it."""
+
+    id: int
+    name: str
+    aliases: tuple[str, ...]
+    enabled: bool
+    activation_timeout_s: float
+    max_waiting: int
+    connect_timeout_s: float | None
+    first_byte_timeout_s: float | None
+    stream_idle_timeout_s: float | None
+    profiles: frozenset[str]  # the profiles it may run under, its default included
+
+
+@dataclass(frozen=True)
+class ReadyReplica:
+    """A replica that may take traffic, with the address of its rank-0 shard."""
+
+    id: int
+    model_id: int
+    profile: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class RoutingSnapshot:
+    models: list[CatalogEntry]
+    replicas: list[ReadyReplica]
+
+
+def routing_snapshot() -> RoutingSnapshot:
+    """The catalog and the replicas that take traffic now.
+
+    Every query reads one table and the join happens here. A query over several tables holds
+    a lock on one while it waits for the next, and that deadlocks against anything that locks
+    them all exclusively (a migration, a TRUNCATE): PostgreSQL then aborts one side. One
+    table per statement cannot be part of such a cycle.
+    """
+    rows = list(
+        ServedModel.objects.values(
+            "id",
+            "name",
+            "aliases",
+            "enabled",
+            "activation_timeout_s",
+            "max_waiting",
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "stream_idle_timeout_s",
+            "default_profile_id",
+        )
+    )
+    profile_names = dict(Profile.objects.values_list("id", "name"))
+    profiles: dict[int, set[str]] = {}
+    links = ServedModel.profiles.through.objects.values_list("servedmodel_id", "profile_id")
+    pairs = [*links, *((row["id"], row["default_profile_id"]) for row in rows)]
+    for model_id, profile_id in pairs:
+        if profile_id in profile_names:
+            profiles.setdefault(model_id, set()).add(profile_names[profile_id])
+    models = [
+        CatalogEntry(
+            id=row["id"],
+            name=row["name"],
+            aliases=tuple(str(a) for a in (row["aliases"] or [])),
+            enabled=row["enabled"],
+            activation_timeout_s=float(row["activation_timeout_s"]),
+            max_waiting=int(row["max_waiting"]),
+            connect_timeout_s=row["connect_timeout_s"],
+            first_byte_timeout_s=row["first_byte_timeout_s"],
+            stream_idle_timeout_s=row["stream_idle_timeout_s"],
+            profiles=frozenset(profiles.get(row["id"], ())),
+        )
+        for row in rows
+    ]
+
+    # A replica takes traffic when it is observed ready, meant to run, and its head shard's
+    # node is healthy and not draining (drained nodes finish what they hold, take nothing new).
+    live = {
+        replica_id: (model_id, profile_id)
+        for replica_id, model_id, profile_id in Replica.objects.filter(
+            observed=Replica.Observed.READY, desired=Replica.Desired.RUNNING
+        ).values_list("id", "model_id", "profile_id")
+    }
+    nodes = dict(
+        Node.objects.filter(health=Node.Health.READY)
+        .exclude(schedule=Node.Schedule.DRAINING)
+        .values_list("id", "addresses")
+    )
+    replicas = []
+    for replica_id, node_id, port in Shard.objects.filter(rank=0).values_list(
+        "replica_id", "node_id", "port"
+    ):
+        if replica_id not in live or node_id not in nodes:
+            continue
+        host = next((str(a) for a in (nodes[node_id] or []) if a), "")
+        if not host:
+            logger.warning("replica %s: its node reports no address; not routed", replica_id)
+            continue
+        model_id, profile_id = live[replica_id]
+        replicas.append(
+            ReadyReplica(replica_id, model_id, profile_names.get(profile_id, ""), host, port)
+        )
+    return RoutingSnapshot(models, replicas)
+
+
+def catalog_names() -> list[str]:
+    """Every model name in the catalog, sorted."""
+    return list(ServedModel.objects.order_by("name").values_list("name", flat=True))
+
+
+_listeners: list[Callable[[], None]] = []
+
+
+def on_routing_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` (with no arguments) whenever this process saves or deletes a row that
+    :func:`routing_snapshot` reads; other processes' writes are not seen here. It runs in the
+    thread that wrote, so it must be thread-safe and quick. Subscribing twice is harmless."""
+    if callback in _listeners:
+        return
+    _listeners.append(callback)
+    for model in (ServedModel, Profile, Replica, Shard, Node):
+        uid = f"llmgw-routing-{model.__name__}"
+        post_save.connect(_routing_row_changed, sender=model, dispatch_uid=uid)
+        post_delete.connect(_routing_row_changed, sender=model, dispatch_uid=f"{uid}-deleted")
+
+
+def _routing_row_changed(sender: Any, **kwargs: Any) -> None:
+    for callback in _listeners:
+        callback()
+
+
+def record_demand(model_ids: Collection[int]) -> None:
+    """Requests for these models found no ready replica: the reconciler places one.
+
+    A conditional update (a stamp younger than ``STAMP_EVERY_S`` is left alone); when it
+    recorded anything, a tick is asked for now rather than at the next beat."""
+    if not model_ids:
+        return
+    now = timezone.now()
+    fresh = now - timedelta(seconds=STAMP_EVERY_S)
+    recorded = (
+        ServedModel.objects.filter(pk__in=model_ids)
+        .filter(Q(demand_at__isnull=True) | Q(demand_at__lt=fresh))
+        .update(demand_at=now)
+    )
+    if recorded:
+        request_tick()
+
+
+def record_requests(model_ids: Collection[int], replica_ids: Collection[int]) -> None:
+    """These models and replicas served requests just now (idle scale-down counts from the
+    last one). Conditional updates, like :func:`record_demand`."""
+    now = timezone.now()
+    fresh = now - timedelta(seconds=STAMP_EVERY_S)
+    stale = Q(last_request_at__isnull=True) | Q(last_request_at__lt=fresh)
+    if model_ids:
+        ServedModel.objects.filter(pk__in=model_ids).filter(stale).update(last_request_at=now)
+    if replica_ids:
+        Replica.objects.filter(pk__in=replica_ids).filter(stale).update(last_request_at=now)
+
+
+def request_tick() -> None:
+    """Ask for a tick now instead of at the next beat (a cold model has a request waiting).
+    Best effort and never blocking: the beat's next tick does the same work anyway."""
+    try:
+        current_app.send_task(
+            RECONCILE_TASK, expires=settings.LLMGW_RECONCILE_INTERVAL, retry=False
+        )
+    except Exception as exc:  # a broker that is down must not fail the request path
+        logger.warning("could not ask for an early reconcile tick: %s", type(exc).__name__)

@@ -1,0 +1,76 @@
+"""What the gateway gets from the control plane and reports back (``control.serving``): the
+stamps the reconciler scales by, written only where older than their precision, and the
+notice of a changed routing row."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pytest
+from django.utils import timezone
+
+from control import serving
+from control.models import Node, Profile, Replica, ServedModel
+
+pytestmark = pytest.mark.django_db
+
+WINDOW = timedelta(seconds=serving.STAMP_EVERY_S)
+
+
+def a_model(name: str = "m", **fields: object) -> ServedModel:
+    profile = Profile.objects.create(name=f"{name}-sim", engine="sim")
+    return ServedModel.objects.create(
+        name=name, source=f"sim/{name}", default_profile=profile, **fields
+    )
+
+
+def test_demand_is_recorded_unless_a_stamp_within_the_window_has_it_already() -> None:
+    cold = a_model("cold")
+    recent = timezone.now() - WINDOW / 2
+    just_asked = a_model("just-asked", demand_at=recent)
+    serving.record_demand([cold.pk, just_asked.pk])
+    cold.refresh_from_db()
+    just_asked.refresh_from_db()
+    assert cold.demand_at is not None
+    assert just_asked.demand_at == recent
+
+
+def test_requests_stamp_the_model_and_the_replica_that_served_them() -> None:
+    long_ago = timezone.now() - 2 * WINDOW
+    model = a_model(last_request_at=long_ago)
+    replica = Replica.objects.create(model=model, profile=model.default_profile)
+    other = a_model("other", last_request_at=long_ago)
+    serving.record_requests([model.pk], [replica.pk])
+    model.refresh_from_db()
+    replica.refresh_from_db()
+    other.refresh_from_db()
+    assert isinstance(model.last_request_at, datetime) and model.last_request_at > long_ago
+    assert replica.last_request_at is not None
+    assert other.last_request_at == long_ago
+
+
+def test_the_catalog_comes_as_plain_rows_with_the_default_profile_among_its_profiles() -> None:
+    model = a_model("llama", aliases=["llama-latest"])
+    extra = Profile.objects.create(name="vllm", engine="vllm")
+    model.profiles.add(extra)
+    snapshot = serving.routing_snapshot()
+    assert snapshot.replicas == []
+    [entry] = snapshot.models
+    assert entry.name == "llama" and entry.aliases == ("llama-latest",)
+    assert entry.profiles == frozenset({"llama-sim", "vllm"})
+    assert serving.catalog_names() == ["llama"]
+
+
+def test_a_saved_routing_row_calls_the_subscribers_of_this_process() -> None:
+    calls: list[None] = []
+
+    def changed() -> None:
+        calls.append(None)
+
+    serving.on_routing_change(changed)
+    serving.on_routing_change(changed)  # a second subscription is the same one
+    try:
+        Node.objects.create(name="gpu-1")
+        assert len(calls) == 1
+    finally:
+        serving._listeners.remove(changed)
