@@ -20,7 +20,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from agents.protocol import valid_weights_name
-from control import catalog, nodes, operations
+from control import nodes, operations, profiles
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 
 _Record = TypeVar("_Record", Lease, Event)
@@ -48,7 +48,7 @@ class ProfileForm(forms.ModelForm[Profile]):
     def clean(self) -> dict[str, Any]:
         data = super().clean()
         assert data is not None
-        problems = catalog.wire_problems(
+        problems = profiles.wire_problems(
             args=data.get("args", []),
             env=data.get("env", {}),
             health_path=data.get("health_path", "/health"),

@@ -70,6 +70,7 @@ INSTALLED_APPS = [
     "django_prometheus",
     "control",
     "gateway",
+    "llmgw_site",  # the commands that span both apps: run, import_catalog, export_catalog
 ]
 
 MIDDLEWARE = [

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from control import catalog
-from control.catalog import CatalogError
+from control import profiles
 from control.models import Profile, ServedModel
 from gateway.models import Endpoint
+from llmgw_site import catalog
+from llmgw_site.catalog import CatalogError
 
 pytestmark = pytest.mark.django_db
 
@@ -141,9 +142,9 @@ def test_bad_files_are_refused_with_a_message_naming_the_entry(text: str, messag
 
 
 def test_wire_problems_agree_with_what_the_agent_accepts() -> None:
-    ok = catalog.wire_problems(
+    ok = profiles.wire_problems(
         args=["--port", "{port}"], env={"A_B": "1"}, health_path="/health", gpu_selector={}
     )
     assert ok == {}
-    bad = catalog.wire_problems(args=[], env={}, health_path="health", gpu_selector={})
+    bad = profiles.wire_problems(args=[], env={}, health_path="health", gpu_selector={})
     assert "health_path" in bad

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from control import catalog
+from llmgw_site import catalog
 
 
 class Command(BaseCommand):

@@ -22,11 +22,11 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from control import launcher, nodes
+from control import nodes
 from control.models import Event, Profile, ServedModel
 from gateway import keys
 from gateway.models import ApiKey
-from llmgw_site import metrics
+from llmgw_site import launcher, metrics
 
 DEMO_KEY_NAME = "make run demo"
 LOCAL_NODE = "local"

@@ -7,11 +7,11 @@ written, and written in one transaction, so a bad file leaves the catalog as it 
 absent from the file is deleted: an import adds and updates, it does not prune.
 
 Fields come from the models' own metadata (every editable column), so a field added to a model
-is exported and imported without touching this module.
+is exported and imported without touching this module. A profile is checked as the agent would
+check it (``control.profiles``) before it is written.
 
-Also here: the checks an agent applies to what a profile becomes on the wire (argument
-template, environment names, health path), run when an operator saves a profile, so a bad
-profile is refused at the admin instead of breaking every node stream that carries it.
+It lives at the site level because one file spans both apps: profiles and models are the
+control plane's, static endpoints the gateway's.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import yaml
 from django.core.exceptions import ValidationError
 from django.db import models, transaction
 
-from agents.protocol import DesiredShard, ProtocolError
 from control.models import Profile, ServedModel
+from control.profiles import wire_problems
 from gateway.models import Endpoint
 
 FORMAT_VERSION = 1
@@ -34,49 +34,6 @@ _M = TypeVar("_M", bound=models.Model)
 
 class CatalogError(Exception):
     """The file cannot be imported; the message says where and why."""
-
-
-def wire_problems(
-    *, args: object, env: object, health_path: object, gpu_selector: object
-) -> dict[str, str]:
-    """Field → what the agent would refuse about a profile (empty when it would take it).
-
-    Checked by building the very message the control plane sends (``DesiredShard``) with the
-    agent's own validation, so this cannot disagree with the agent.
-    """
-    problems: dict[str, str] = {}
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        problems["args"] = "must be a list of strings"
-    if not isinstance(env, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        problems["env"] = 'must map names to string values, e.g. {"HF_HOME": "/data"}'
-    if not isinstance(gpu_selector, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in gpu_selector.items()
-    ):
-        problems["gpu_selector"] = 'must map label names to string values, e.g. {"gpu": "h100"}'
-    if problems:
-        return problems
-    probe = {
-        "shard_id": 1,
-        "replica_id": 1,
-        "generation": 1,
-        "state": "running",
-        "engine": "sim",
-        "model": "probe",
-        "source": "probe",
-        "port": 1,
-        "args": args,
-        "env": env,
-        "health_path": health_path,
-    }
-    try:
-        DesiredShard.from_dict(probe)
-    except ProtocolError as exc:
-        text = str(exc)
-        where = next((name for name in ("env", "args", "health_path") if name in text), "args")
-        problems[where] = text.removeprefix("shard.")
-    return problems
 
 
 # --------------------------------------------------------------------------- export
