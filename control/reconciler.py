@@ -27,7 +27,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
-from control import leases, lifecycle, nodes, placement, weights
+from control import health, leases, lifecycle, nudges, placement, weights
 from control.leases import Leadership, LeadershipLost
 from control.models import Event, Node, Replica, ServedModel, Shard
 
@@ -204,7 +204,7 @@ def _event(lead: Leadership, kind: str, subject: str, message: str, **data: obje
 def _touch_nodes(node_ids: Iterable[int]) -> None:
     """The nodes' desired state changed: bump their revisions; their streams hear on commit."""
     for node_id in sorted(set(node_ids)):
-        nodes.nudge_node(node_id)
+        nudges.nudge_node(node_id)
 
 
 def _node_ids(replica_id: int) -> list[int]:
@@ -355,7 +355,7 @@ def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
     """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick."""
     now = now or timezone.now()
     with leases.fenced(lead):
-        nodes.refresh_node_health(now)
+        health.refresh_node_health(now)
     snapshot = read_snapshot(now)
     result = TickResult(acted=True, epoch=lead.epoch)
     _abandon_lost(lead, snapshot, result)
