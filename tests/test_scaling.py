@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from control.lifecycle import ModelDemand, ReplicaUse
+from control.lifecycle import ReplicaUse
 from control.placement import FreeGpu, NodeCapacity, Placement, ReplicaRequest, ShardPlacement
 from control.scaling import (
     Drain,
@@ -22,6 +22,7 @@ from control.scaling import (
     Stop,
     scale,
 )
+from tests.test_lifecycle import demand
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 PORTS = (20000, 20009)
@@ -31,21 +32,9 @@ LONG_AGO = NOW - timedelta(hours=2)
 WAITING = NOW - timedelta(seconds=3)
 
 
-def model(name: str = "m", **demand: object) -> ModelScale:
-    values: dict[str, object] = {
-        "enabled": True,
-        "min_replicas": 0,
-        "max_replicas": 3,
-        "idle_timeout": timedelta(minutes=15),
-        "activation_timeout": timedelta(minutes=10),
-        "last_request_at": None,
-        "demand_at": None,
-    }
-    values.update(demand)
+def model(name: str = "m", **overrides: object) -> ModelScale:
     return ModelScale(
-        name,
-        ModelDemand(**values),  # type: ignore[arg-type]
-        ReplicaRequest(name, f"org/{name}", gpu_memory_mib=40 * GIB),
+        name, demand(**overrides), ReplicaRequest(name, f"org/{name}", gpu_memory_mib=40 * GIB)
     )
 
 
