@@ -4,10 +4,11 @@ write happens inside :func:`control.leases.fenced`, so a deposed leader's late w
 nothing.
 
 A tick reads one snapshot, decides with pure functions (``control.lifecycle``,
-``control.scaling``, ``control.placement``) and applies each decision as its own state change: one function, one
-fenced transaction, a conditional update whose row count says whether the world still looked
-as the decision assumed, an Event, and the affected nodes' desired-state revision bumped with a
-nudge sent on commit. Running a tick twice is harmless: the second finds nothing to do.
+``control.scaling``, ``control.placement``) and applies each decision as its own state
+change: one function, one fenced transaction, a conditional update whose row count says
+whether the world still looked as the decision assumed, an Event, and the affected nodes'
+desired-state revision bumped with a nudge sent on commit. Running a tick twice is harmless:
+the second finds nothing to do.
 """
 
 from __future__ import annotations
