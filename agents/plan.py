@@ -155,7 +155,8 @@ def refusal(spec: DesiredShard, node: NodeFacts, busy_ports: Mapping[int, int]) 
 def plan(
     desired: DesiredState | None, running: Mapping[int, RunningShard], node: NodeFacts
 ) -> list[Action]:
-    """What to do so that what runs matches ``desired``, in the order to do it."""
+    """What to do, in order, so that what runs on a node offering ``node`` matches
+    ``desired``. ``running`` holds every incarnation the agent knows of, by shard id."""
     if desired is None:
         return []  # nothing is stopped before the control plane has said what it wants
     actions: list[Action] = []
