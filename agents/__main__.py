@@ -32,7 +32,7 @@ from agents.agent import Agent, ConnectionConfig, stream_url
 from agents.engines import LaunchContext
 from agents.gpus import discover, parse_simulated
 from agents.protocol import TOKEN_PREFIX, valid_node_name
-from agents.shards import Supervisor, SupervisorConfig
+from agents.supervisor import Supervisor, SupervisorConfig
 
 logger = logging.getLogger("agents")
 

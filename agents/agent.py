@@ -36,7 +36,7 @@ from agents.protocol import (
     decode_server_message,
     encode,
 )
-from agents.shards import Supervisor
+from agents.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Operators edit desired state (the catalog, node labels, which weights to remove); observed
 state (what agents and the reconciler write) is read-only here. Changes with consequences
 (cordon, drain, undrain, restart, node tokens) are actions that call one domain function each
-(``control.operations``, ``control.nodes``), which records an Event and tells the agents.
+(``control.operations``, ``control.node_tokens``), which records an Event and tells the agents.
 
 The admin index is the cluster dashboard (``templates/admin/index.html``); its data comes
 from ``llmgw_site.views.dashboard_data``, polled by the page.
@@ -20,7 +20,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from agents.protocol import valid_weights_name
-from control import nodes, operations, profiles
+from control import node_tokens, nudges, operations, profiles
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 
 _Record = TypeVar("_Record", Lease, Event)
@@ -239,7 +239,7 @@ class NodeAdmin(admin.ModelAdmin[Node]):
         # The admin wraps this in a transaction; the nudge goes out after it commits.
         super().save_model(request, obj, form, change)
         if change and "remove_weights" in form.changed_data:
-            nodes.nudge_node(obj.pk)
+            nudges.nudge_node(obj.pk)
 
     def _each(
         self,
@@ -272,7 +272,7 @@ class NodeAdmin(admin.ModelAdmin[Node]):
             self.message_user(request, "Issue tokens one node at a time.", messages.ERROR)
             return None
         node = queryset.get()
-        token = nodes.issue_node_token(node.name)
+        token = node_tokens.issue_node_token(node.name)
         # Rendered into this response only: the token is stored nowhere but the agent's host.
         response = TemplateResponse(
             request,
@@ -290,7 +290,7 @@ class NodeAdmin(admin.ModelAdmin[Node]):
 
     @admin.action(description="Revoke the node token", permissions=["change"])
     def revoke_token(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
-        done = [node.name for node in queryset if nodes.revoke_node_token(node.name)]
+        done = [node.name for node in queryset if node_tokens.revoke_node_token(node.name)]
         if done:
             self.message_user(request, f"Token revoked: {', '.join(done)}.", messages.SUCCESS)
         else:

@@ -7,7 +7,7 @@ moves text frames and calls :meth:`AgentSession.receive`, :meth:`AgentSession.ti
 :meth:`AgentSession.send_desired`; authentication happened before the session exists.
 
 Writes are kept small: a shard's row is written when its reported state changes, load and
-GPU memory and the heartbeat at most every :func:`control.nodes.heartbeat_write_interval`.
+GPU memory and the heartbeat at most every :func:`control.health.heartbeat_write_interval`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from agents.protocol import (
     decode_agent_message,
     encode,
 )
-from control import nodes
+from control import agent_reports, desired_state, health, node_tokens
 from control.models import Node
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class AgentSession:
 
     def __init__(
         self,
-        identity: nodes.NodeIdentity,
+        identity: node_tokens.NodeIdentity,
         transport: Transport,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -109,7 +109,7 @@ class AgentSession:
         self.next_resync = math.inf
         self.revision_poll = float(settings.LLMGW_AGENT_REVISION_POLL)
         self.next_revision_poll = 0.0
-        self.beats = Coalescer(nodes.heartbeat_write_interval(), clock)
+        self.beats = Coalescer(health.heartbeat_write_interval(), clock)
         self.written = _Written(shards={})
         self.sent_revision: int | None = None
         self._send_lock = asyncio.Lock()
@@ -163,7 +163,7 @@ class AgentSession:
                 f"this stream is authenticated as node {self.identity.name!r}, not {hello.node!r}",
             )
         try:
-            await database_sync_to_async(nodes.register_hello)(self.identity.id, hello)
+            await database_sync_to_async(agent_reports.register_hello)(self.identity.id, hello)
         except Node.DoesNotExist:
             # Deleted between the handshake and hello: its token went with it.
             raise ProtocolError(CloseCode.UNAUTHORIZED, "this node no longer exists") from None
@@ -182,7 +182,7 @@ class AgentSession:
 
     async def _on_heartbeat(self) -> None:
         if self.beats.due():
-            await database_sync_to_async(nodes.record_heartbeat)(self.identity.id)
+            await database_sync_to_async(agent_reports.record_heartbeat)(self.identity.id)
 
     async def _on_status(self, status: Status) -> None:
         beat = self.beats.due()
@@ -194,16 +194,18 @@ class AgentSession:
             or _state_key(old) != _state_key(report)
             or (beat and old != replace(report, log_tail=old.log_tail))
         ]
-        report = nodes.NodeReport(
+        report = agent_reports.NodeReport(
             observed_revision=_if_changed(status.observed_revision, written.revision),
             stale_rejected=_if_changed(status.stale_rejected, written.stale_rejected),
             weights=_if_changed(status.weights, written.weights),
             gpus=status.gpus if beat and status.gpus != written.gpus else None,
         )
-        if changed or report != nodes.NodeReport():
-            await database_sync_to_async(nodes.record_status)(self.identity.id, changed, report)
+        if changed or report != agent_reports.NodeReport():
+            await database_sync_to_async(agent_reports.record_status)(
+                self.identity.id, changed, report
+            )
         if beat:
-            await database_sync_to_async(nodes.record_heartbeat)(self.identity.id)
+            await database_sync_to_async(agent_reports.record_heartbeat)(self.identity.id)
         # Remembered only once written: a failed write is retried with the next status.
         written.shards = {r.shard_id: r for r in status.shards}
         written.revision = status.observed_revision
@@ -220,7 +222,9 @@ class AgentSession:
             return
         async with self._send_lock:
             try:
-                desired = await database_sync_to_async(nodes.build_desired_state)(self.identity.id)
+                desired = await database_sync_to_async(desired_state.build_desired_state)(
+                    self.identity.id
+                )
             except DatabaseError as exc:
                 # Keep the stream: the agent keeps what it runs; the next resync tries again.
                 logger.warning(
@@ -260,7 +264,9 @@ class AgentSession:
     async def _send_if_revised(self) -> None:
         """The nudge's stand-in where the channel layer cannot carry one across processes."""
         try:
-            revision = await database_sync_to_async(nodes.desired_revision)(self.identity.id)
+            revision = await database_sync_to_async(desired_state.desired_revision)(
+                self.identity.id
+            )
         except DatabaseError:
             return  # the resync retries; the agent keeps what it runs meanwhile
         if revision is not None and revision != self.sent_revision:

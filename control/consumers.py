@@ -23,7 +23,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.db import DatabaseError
 
 from agents.protocol import NODE_HEADER, CloseCode, ErrorMessage, encode
-from control import nodes
+from control import node_tokens, nudges
 from control.agent_sessions import AgentSession
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,11 @@ class NodeTokenAuthMiddleware:
         claimed = claimed_raw.decode("latin-1").strip() if claimed_raw is not None else None
         try:
             if scheme.lower() != "bearer":
-                raise nodes.TokenRejected("no bearer token")
-            identity = await database_sync_to_async(nodes.authenticate)(token.strip(), claimed)
-        except nodes.TokenRejected as exc:
+                raise node_tokens.TokenRejected("no bearer token")
+            identity = await database_sync_to_async(node_tokens.authenticate)(
+                token.strip(), claimed
+            )
+        except node_tokens.TokenRejected as exc:
             logger.warning("agent stream from %s refused at the handshake: %s", _client(scope), exc)
             await _deny(receive, send)
             return
@@ -139,7 +141,7 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
         assert self.session is not None
         try:
             await self.channel_layer.group_add(
-                nodes.node_group(self.session.identity.id), self.channel_name
+                nudges.node_group(self.session.identity.id), self.channel_name
             )
         except Exception as exc:
             self._mark_layer_down(exc)
@@ -149,15 +151,15 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
         self._layer_down = False
 
     async def connect(self) -> None:
-        identity: nodes.NodeIdentity = self.scope[SCOPE_KEY]
+        identity: node_tokens.NodeIdentity = self.scope[SCOPE_KEY]
         await self.accept()
         self.session = AgentSession(identity, self)
         await self._join_group()
         # An older stream of this node (a half-open one the agent gave up on) closes itself.
         with contextlib.suppress(Exception):
             await self.channel_layer.group_send(
-                nodes.node_group(identity.id),
-                {"type": nodes.SESSION_TAKEOVER, "channel": self.channel_name},
+                nudges.node_group(identity.id),
+                {"type": nudges.SESSION_TAKEOVER, "channel": self.channel_name},
             )
         self._ticker = asyncio.create_task(self._tick_loop())
 
@@ -198,7 +200,7 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
         logger.info("node %s: stream closed (code %s)", self.session.name, code)
         with contextlib.suppress(Exception):
             await self.channel_layer.group_discard(
-                nodes.node_group(self.session.identity.id), self.channel_name
+                nudges.node_group(self.session.identity.id), self.channel_name
             )
 
     async def desired_changed(self, event: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 One function per state change, each one transaction with a conditional update (the row count
 says whether anything changed, so a second click or a racing operator changes nothing twice),
 an Event naming who did it, and the agents told after commit through
-:func:`control.nodes.nudge_node`. The admin's actions and the ``cordon``/``drain``/``undrain``
+:func:`control.nudges.nudge_node`. The admin's actions and the ``cordon``/``drain``/``undrain``
 commands are thin edges over these.
 
 A node's schedule is not part of any agent's desired state: the reconciler reads it on its
@@ -19,7 +19,7 @@ import logging
 from django.db import transaction
 from django.db.models import F
 
-from control import nodes
+from control import nudges
 from control.models import Event, Node, Replica, Shard
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,6 @@ def restart_replica(replica_id: int, *, actor: str) -> bool:
                 data={"actor": actor, "replica": replica_id},
             )
             for node_id in sorted(set(shards.values_list("node_id", flat=True))):
-                nodes.nudge_node(node_id)
+                nudges.nudge_node(node_id)
             logger.info("replica %s: restarted by %s", replica_id, actor)
     return bool(changed)

@@ -4,10 +4,11 @@ write happens inside :func:`control.leases.fenced`, so a deposed leader's late w
 nothing.
 
 A tick reads one snapshot, decides with pure functions (``control.lifecycle``,
-``control.placement``) and applies each decision as its own state change: one function, one
-fenced transaction, a conditional update whose row count says whether the world still looked
-as the decision assumed, an Event, and the affected nodes' desired-state revision bumped with a
-nudge sent on commit. Running a tick twice is harmless: the second finds nothing to do.
+``control.scaling``, ``control.placement``) and applies each decision as its own state
+change: one function, one fenced transaction, a conditional update whose row count says
+whether the world still looked as the decision assumed, an Event, and the affected nodes'
+desired-state revision bumped with a nudge sent on commit. Running a tick twice is harmless:
+the second finds nothing to do.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import fcntl
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +27,7 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Exists, F, OuterRef
 from django.utils import timezone
 
-from control import leases, lifecycle, nodes, placement, weights
+from control import health, leases, lifecycle, nudges, placement, scaling, weights
 from control.leases import Leadership, LeadershipLost
 from control.models import LIVE_SHARD_STATES, Event, Node, Replica, ServedModel, Shard
 
@@ -75,9 +75,6 @@ class Snapshot:
     def replicas_of(self, model_id: int) -> list[ReplicaView]:
         return [r for r in self.replicas if r.model_id == model_id]
 
-    def node_id(self, name: str) -> int:
-        return next(pk for pk, node in self.nodes.items() if node.name == name)
-
 
 def read_snapshot(now: datetime) -> Snapshot:
     """Everything one tick decides on, in a handful of queries."""
@@ -121,44 +118,44 @@ def _schedulable(node: Node) -> bool:
     return node.health == Node.Health.READY and node.schedule == Node.Schedule.ACTIVE
 
 
-def capacity(snapshot: Snapshot, *, ignoring: Iterable[int] = ()) -> list[placement.NodeCapacity]:
-    """Free GPUs and ports of schedulable nodes; ``ignoring`` replica ids count as gone (to ask
-    "would evicting these make room?")."""
-    ignored = set(ignoring)
-    held_gpus: dict[int, set[int]] = defaultdict(set)
-    held_ports: dict[int, set[int]] = defaultdict(set)
-    for replica in snapshot.replicas:
-        if replica.id in ignored or not replica.holds_resources():
-            continue
-        for shard in replica.shards:
-            held_gpus[shard.node_id].update(shard.gpu_indices)
-            held_ports[shard.node_id].add(shard.port)
-    result = []
+def fleet_of(snapshot: Snapshot) -> scaling.Fleet:
+    """Schedulable nodes with all their GPUs, and what every replica holding resources holds."""
+    nodes = []
     for node in snapshot.nodes.values():
         if not _schedulable(node):
             continue
-        free = tuple(
-            placement.FreeGpu(gpu.index, max(0, gpu.memory_total_mib - gpu.memory_used_mib))
-            for gpu in node.gpus.all()
-            if gpu.index not in held_gpus[node.pk]
-        )
         present = {
             str(w.get("name"))
             for w in node.weights_report
             if isinstance(w, dict) and w.get("state") == "present"
         }
         port_range = (node.port_min, node.port_max) if node.port_min and node.port_max else None
-        result.append(
+        nodes.append(
             placement.NodeCapacity(
                 node.name,
-                free,
+                tuple(
+                    placement.FreeGpu(gpu.index, max(0, gpu.memory_total_mib - gpu.memory_used_mib))
+                    for gpu in node.gpus.all()
+                ),
                 labels={str(k): str(v) for k, v in node.labels.items()},
-                used_ports=frozenset(held_ports[node.pk]),
                 cached_sources=frozenset(present),
                 port_range=port_range,
             )
         )
-    return result
+    holdings = tuple(
+        scaling.Holding(
+            replica.id, snapshot.nodes[shard.node_id].name, shard.gpu_indices, shard.port
+        )
+        for replica in snapshot.replicas
+        if replica.holds_resources()
+        for shard in replica.shards
+    )
+    return scaling.Fleet(tuple(nodes), holdings)
+
+
+def capacity(snapshot: Snapshot, *, ignoring: Iterable[int] = ()) -> list[placement.NodeCapacity]:
+    """Free GPUs and ports of schedulable nodes; ``ignoring`` replica ids count as gone."""
+    return fleet_of(snapshot).capacity(frozenset(ignoring))
 
 
 def replica_request(model: ServedModel) -> placement.ReplicaRequest:
@@ -197,7 +194,7 @@ def _event(lead: Leadership, kind: str, subject: str, message: str, **data: obje
 def _touch_nodes(node_ids: Iterable[int]) -> None:
     """The nodes' desired state changed: bump their revisions; their streams hear on commit."""
     for node_id in sorted(set(node_ids)):
-        nodes.nudge_node(node_id)
+        nudges.nudge_node(node_id)
 
 
 def _node_ids(replica_id: int) -> list[int]:
@@ -348,14 +345,13 @@ def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
     """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick."""
     now = now or timezone.now()
     with leases.fenced(lead):
-        nodes.refresh_node_health(now)
+        health.refresh_node_health(now)
     snapshot = read_snapshot(now)
     result = TickResult(acted=True, epoch=lead.epoch)
     _abandon_lost(lead, snapshot, result)
     _restart_failed(lead, snapshot, result)
     _finish_drains(lead, snapshot, result)
-    for model in snapshot.models.values():
-        _scale(lead, snapshot, model, result)
+    _scale_all(lead, snapshot, result)
     _settle_weight_removals(lead, snapshot, result)
     return result
 
@@ -439,8 +435,7 @@ def _leaving(snapshot: Snapshot, replica: ReplicaView) -> bool:
     return any(snapshot.nodes[s.node_id].schedule == Node.Schedule.DRAINING for s in replica.shards)
 
 
-def _use(snapshot: Snapshot, replica: ReplicaView) -> lifecycle.ReplicaUse:
-    model = snapshot.models[replica.model_id]
+def _use(model: ServedModel, replica: ReplicaView) -> lifecycle.ReplicaUse:
     return lifecycle.ReplicaUse(
         replica_id=replica.id,
         model=model.name,
@@ -451,114 +446,85 @@ def _use(snapshot: Snapshot, replica: ReplicaView) -> lifecycle.ReplicaUse:
     )
 
 
-def _scale(lead: Leadership, snapshot: Snapshot, model: ServedModel, result: TickResult) -> None:
-    running = [r for r in snapshot.replicas_of(model.pk) if r.desired == Replica.Desired.RUNNING]
-    leaving = [r for r in running if _leaving(snapshot, r)]
-    active = [r for r in running if r not in leaving]
-    if model.demand_at is not None and any(r.observed == Replica.Observed.READY for r in running):
-        satisfy_demand(lead, model)
-    demand = demand_of(model)
-    wanted = lifecycle.wanted_replicas(demand, len(active) + len(leaving), snapshot.now)
-    subject = f"model/{model.name}"
+@dataclass
+class ScalingView:
+    """What scaling sees during one tick. A replica placed for one model is added at once, so
+    the models after it see the GPUs and ports it took."""
 
-    unplaced_reason = ""
-    for _ in range(wanted - len(active)):
-        outcome = placement.place(
-            capacity(snapshot), replica_request(model), settings.LLMGW_PORT_RANGE
-        )
-        if isinstance(outcome, placement.Unplaceable):
-            unplaced_reason = outcome.reason
-            break
-        why = "replacing a replica on a draining node" if leaving else "wanted by demand"
-        replica_id = create_replica(lead, model, outcome, why)
-        result.placed += 1
-        # The next placement in this tick must see what this one took.
-        snapshot.replicas.append(
-            ReplicaView(
-                replica_id,
-                model.pk,
-                Replica.Desired.RUNNING,
-                Replica.Observed.PENDING,
-                0,
-                None,
-                None,
-                [
-                    ShardView(0, snapshot.node_id(s.node), s.rank, s.gpu_indices, s.port, "")
-                    for s in outcome.shards
-                ],
+    fleet: scaling.Fleet
+    replicas: list[scaling.ReplicaState]
+    min_replicas: dict[str, int]
+
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> ScalingView:
+        replicas = [
+            scaling.ReplicaState(
+                _use(snapshot.models[r.model_id], r),
+                draining=r.desired == Replica.Desired.DRAINING,
+                leaving=_leaving(snapshot, r),
             )
+            for r in snapshot.replicas
+            if r.desired in (Replica.Desired.RUNNING, Replica.Desired.DRAINING)
+        ]
+        minimum = {m.name: m.min_replicas for m in snapshot.models.values()}
+        return cls(fleet_of(snapshot), replicas, minimum)
+
+    def record_placement(
+        self, model: ServedModel, replica_id: int, where: placement.Placement
+    ) -> None:
+        self.fleet = self.fleet.holding(replica_id, where)
+        use = lifecycle.ReplicaUse(
+            replica_id, model.name, False, model.pinned, 0, model.last_request_at
         )
-        active.append(snapshot.replicas[-1])
-
-    if unplaced_reason:
-        note_unplaceable(lead, model, unplaced_reason)
-        if not active and lifecycle.has_waiting_demand(demand, snapshot.now):
-            _evict_for(lead, snapshot, model, result)
-
-    # Drain leaving replicas once enough others are ready, or when none can replace them.
-    ready_elsewhere = sum(1 for r in active if r.observed == Replica.Observed.READY)
-    for replica in leaving:
-        if ready_elsewhere >= min(wanted, len(running)) or unplaced_reason:
-            if change_desired(
-                lead,
-                replica.id,
-                from_states=[Replica.Desired.RUNNING],
-                to=Replica.Desired.DRAINING,
-                subject=subject,
-                why="its node is draining",
-            ):
-                result.changed += 1
-
-    for surplus in lifecycle.surplus_to_stop([_use(snapshot, r) for r in active], wanted):
-        to = Replica.Desired.DRAINING if surplus.ready else Replica.Desired.STOPPED
-        why = "model disabled" if not model.enabled else "idle: scaling down"
-        if change_desired(
-            lead,
-            surplus.replica_id,
-            from_states=[Replica.Desired.RUNNING],
-            to=to,
-            subject=subject,
-            why=why,
-        ):
-            result.changed += 1
+        self.replicas.append(scaling.ReplicaState(use, draining=False))
 
 
-def _evict_for(
-    lead: Leadership, snapshot: Snapshot, model: ServedModel, result: TickResult
+def _scale_all(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+    view = ScalingView.of(snapshot)
+    for model in snapshot.models.values():
+        _scale(lead, view, model, snapshot.now, result)
+
+
+def _scale(
+    lead: Leadership, view: ScalingView, model: ServedModel, now: datetime, result: TickResult
 ) -> None:
-    """Make room for a cold model with waiting requests by draining an idle replica of another
-    model (unpinned, above its minimum, least recently used first). One eviction at a time:
-    while a drain is in progress its GPUs are not free yet, and evicting more would overshoot."""
-    if any(r.desired == Replica.Desired.DRAINING for r in snapshot.replicas):
-        return
-    per_model: dict[int, int] = defaultdict(int)
-    for replica in snapshot.replicas:
-        if replica.desired == Replica.Desired.RUNNING:
-            per_model[replica.model_id] += 1
-    evictable = [
-        r
-        for r in snapshot.replicas
-        if r.desired == Replica.Desired.RUNNING
-        and per_model[r.model_id] > snapshot.models[r.model_id].min_replicas
-    ]
-    request = replica_request(model)
-    for candidate in lifecycle.eviction_candidates(
-        [_use(snapshot, r) for r in evictable], model.name
-    ):
-        freed = capacity(snapshot, ignoring=[candidate.replica_id])
-        if isinstance(
-            placement.place(freed, request, settings.LLMGW_PORT_RANGE), placement.Placement
-        ):
-            if change_desired(
-                lead,
-                candidate.replica_id,
-                from_states=[Replica.Desired.RUNNING],
-                to=Replica.Desired.DRAINING,
-                subject=f"model/{candidate.model}",
-                why=f"evicted (idle) to make room for {model.name}",
-            ):
-                result.changed += 1
-            return
+    """Carry out the scaling decision for one model, one state change per action, in order."""
+    decision = scaling.scale(
+        scaling.ModelScale(model.name, demand_of(model), replica_request(model)),
+        view.replicas,
+        view.fleet,
+        min_replicas=view.min_replicas,
+        now=now,
+        port_range=settings.LLMGW_PORT_RANGE,
+    )
+    for action in decision:
+        match action:
+            case scaling.SatisfyDemand():
+                satisfy_demand(lead, model)
+            case scaling.Place(where, why):
+                replica_id = create_replica(lead, model, where, why)
+                view.record_placement(model, replica_id, where)
+                result.placed += 1
+            case scaling.NoteUnplaceable(reason):
+                note_unplaceable(lead, model, reason)
+            case scaling.Drain(replica_id, owner, why):
+                if _retire(lead, replica_id, Replica.Desired.DRAINING, owner, why):
+                    result.changed += 1
+            case scaling.Stop(replica_id, owner, why):
+                if _retire(lead, replica_id, Replica.Desired.STOPPED, owner, why):
+                    result.changed += 1
+
+
+def _retire(lead: Leadership, replica_id: int, to: str, model: str, why: str) -> bool:
+    """A running replica of ``model`` is to drain or stop."""
+    return change_desired(
+        lead,
+        replica_id,
+        from_states=[Replica.Desired.RUNNING],
+        to=to,
+        subject=f"model/{model}",
+        why=why,
+    )
 
 
 # --------------------------------------------------------------------------- running it

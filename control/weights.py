@@ -12,7 +12,7 @@ from typing import Any
 
 from django.db.models.signals import pre_delete
 
-from control import nodes
+from control import nudges
 from control.models import Event, Node, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def schedule_removal(model: ServedModel) -> list[str]:
             Node.objects.filter(pk=node.pk).update(
                 remove_weights=[*node.remove_weights, model.source]
             )
-            nodes.nudge_node(node.pk)
+            nudges.nudge_node(node.pk)
             names.append(node.name)
     if names:
         Event.objects.create(

@@ -28,7 +28,7 @@ from typing import Any
 
 from django.db import connection
 
-from control import nodes
+from control import node_tokens
 from control.models import Event, Node, Replica, ServedModel, Shard
 from tests.conftest import REPO_ROOT, child_env, free_port, wait_until
 
@@ -307,7 +307,7 @@ class Cluster:
     def add_agent(self, name: str, gpus: str = "2x80GiB") -> Agent:
         token_file = self.tmp / "agents" / name / "token"
         token_file.parent.mkdir(parents=True, exist_ok=True)
-        token_file.write_text(nodes.issue_node_token(name) + "\n")
+        token_file.write_text(node_tokens.issue_node_token(name) + "\n")
         low = self.next_engine_port
         self.next_engine_port += 50
         argv = [PYTHON, "-m", "agents", "--node", name, "--token-file", str(token_file)]

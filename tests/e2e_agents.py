@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from agents.shards import process_start_ticks
+from agents.processes import process_start_ticks
 from tests.conftest import REPO_ROOT, child_env, free_port
 
 T = TypeVar("T")

@@ -12,7 +12,7 @@ from django.core.cache import cache
 from django.db import transaction
 from django.test import Client
 
-from control import nodes, operations
+from control import nudges, operations
 from control.models import Event, Node, Replica
 from tests.fleet import make_key, make_model, make_node, make_replica, make_usage, make_user
 
@@ -81,7 +81,7 @@ def test_restart_tells_the_nodes_streams_only_after_commit() -> None:
     layer = get_channel_layer()
     assert layer is not None
     channel = async_to_sync(layer.new_channel)()
-    async_to_sync(layer.group_add)(nodes.node_group(node.pk), channel)
+    async_to_sync(layer.group_add)(nudges.node_group(node.pk), channel)
 
     with transaction.atomic():
         operations.restart_replica(replica.pk, actor="t")
@@ -89,7 +89,7 @@ def test_restart_tells_the_nodes_streams_only_after_commit() -> None:
         with pytest.raises(TimeoutError):
             async_to_sync(_receive)(layer, channel, 0.2)
     message = async_to_sync(_receive)(layer, channel, 2.0)
-    assert message["type"] == nodes.DESIRED_CHANGED
+    assert message["type"] == nudges.DESIRED_CHANGED
 
 
 async def _receive(layer: Any, channel: str, timeout: float) -> Any:

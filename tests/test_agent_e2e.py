@@ -25,7 +25,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from agents.protocol import NODE_HEADER, CloseCode, Hello, encode
-from control import nodes
+from control import node_tokens, nudges
+from control.health import refresh_node_health
 from control.models import Event, Lease, Node, Profile, Replica, ServedModel, Shard
 from tests.conftest import free_port
 from tests.e2e_agents import Cluster, Proc, start_redis, wait_for
@@ -77,7 +78,7 @@ def cluster(
     )
     for name in ("n1", "n2"):
         c.token_file(name).parent.mkdir(parents=True)
-        c.token_file(name).write_text(nodes.issue_node_token(name))
+        c.token_file(name).write_text(node_tokens.issue_node_token(name))
     try:
         c.start_daphne()
         for name in ("n1", "n2"):
@@ -128,7 +129,7 @@ def place(
         shard = Shard.objects.create(
             replica=replica, node=target, port=port or free_port(), gpu_indices=[0]
         )
-        nodes.nudge_node(target.pk)
+        nudges.nudge_node(target.pk)
     return shard
 
 
@@ -158,7 +159,7 @@ def health(name: str) -> str:
 
 def refresh_until(name: str, state: str, c: Cluster, timeout: float = 10) -> None:
     def check() -> bool:
-        nodes.refresh_node_health()
+        refresh_node_health()
         return health(name) == state
 
     wait_for(check, timeout=timeout, what=f"node {name} {state}", logs=c.processes())
@@ -188,7 +189,7 @@ def test_two_agents_start_shards_from_the_database_and_the_shards_answer(cluster
     pid = cluster.shard_pids("n1")[s1.pk]
     for _ in range(2):
         with transaction.atomic():
-            nodes.nudge_node(n1.pk)
+            nudges.nudge_node(n1.pk)
     wait_for(
         lambda: Node.objects.get(name="n1").observed_revision == 3,
         what="both re-sent snapshots applied",
@@ -244,13 +245,13 @@ def test_a_blip_shorter_than_unreachable_after_changes_nothing(cluster: Cluster)
     try:
         end = time.monotonic() + UNREACHABLE_AFTER / 3
         while time.monotonic() < end:
-            assert nodes.refresh_node_health() == []
+            assert refresh_node_health() == []
             time.sleep(0.05)
     finally:
         agent.signal(signal.SIGCONT)
     end = time.monotonic() + UNREACHABLE_AFTER * 1.5
     while time.monotonic() < end:  # well past the threshold, counted from the pause
-        assert nodes.refresh_node_health() == []
+        assert refresh_node_health() == []
         time.sleep(0.1)
     assert health("n2") == "ready"
     assert not Event.objects.filter(subject="node/n2", message__contains="unreachable").exists()
@@ -394,7 +395,7 @@ def test_desired_state_from_a_deposed_leader_is_rejected_counted_and_logged(
 
     Lease.objects.filter(name="reconciler").update(epoch=6)  # a new leader
     with transaction.atomic():
-        nodes.nudge_node(Node.objects.get(name="n1").pk)
+        nudges.nudge_node(Node.objects.get(name="n1").pk)
     wait_observed(cluster, stale, "ready")
 
 
@@ -466,7 +467,7 @@ def test_a_drain_lets_requests_in_flight_finish_and_keeps_their_weights(
         Replica.objects.filter(pk=shard.replica_id).update(desired="draining")
         node = Node.objects.get(name="n1")
         Node.objects.filter(pk=node.pk).update(remove_weights=["models/tiny"])
-        nodes.nudge_node(node.pk)
+        nudges.nudge_node(node.pk)
     wait_observed(cluster, shard, "draining", timeout=5)
 
     def refused() -> bool:
@@ -524,7 +525,7 @@ def test_bad_tokens_are_refused_at_the_handshake_and_revocation_ends_a_stream(
     shard = place("n2")
     wait_observed(cluster, shard, "ready")
     pid = cluster.shard_pids("n2")[shard.pk]
-    assert nodes.revoke_node_token("n2")
+    assert node_tokens.revoke_node_token("n2")
     agent = cluster.agents["n2"]
     wait_for(
         lambda: "refused this agent at the handshake (HTTP 403)" in agent.log(),
@@ -536,7 +537,7 @@ def test_bad_tokens_are_refused_at_the_handshake_and_revocation_ends_a_stream(
     assert chat(shard.port, max_tokens=1).choices
 
     # A new token in the agent's token file lets it back in, with no restart of anything.
-    cluster.token_file("n2").write_text(nodes.issue_node_token("n2"))
+    cluster.token_file("n2").write_text(node_tokens.issue_node_token("n2"))
     wait_for(
         lambda: agent.count("connected to ws://") == 2,
         what="the agent back in with its new token",
@@ -552,7 +553,7 @@ def test_bad_tokens_are_refused_at_the_handshake_and_revocation_ends_a_stream(
 def test_bad_frames_get_clear_close_codes_and_other_agents_are_unaffected(
     cluster: Cluster,
 ) -> None:
-    token = nodes.issue_node_token("n3")
+    token = node_tokens.issue_node_token("n3")
     hello = encode(Hello(node="n3", boot_id="b", agent_version="test"))
     n1 = Node.objects.get(name="n1")
     connections_before = cluster.agents["n1"].count("connected to ws://")
@@ -705,6 +706,6 @@ def test_generation_bump_restarts_a_failed_shard(cluster: Cluster) -> None:
     assert (replica.observed, replica.failures, replica.failure_class) == ("failed", 1, "crash")
     with transaction.atomic():
         Replica.objects.filter(pk=replica.pk).update(generation=F("generation") + 1)
-        nodes.nudge_node(shard.node_id)
+        nudges.nudge_node(shard.node_id)
     wait_observed(cluster, shard, "ready")
     assert cluster.agents["n2"].count(f"shard {shard.pk} (replica") == 2

@@ -25,7 +25,7 @@ from agents.protocol import (
     ShardState,
     WeightsState,
 )
-from agents.shards import Supervisor, SupervisorConfig
+from agents.supervisor import Supervisor, SupervisorConfig
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(60)

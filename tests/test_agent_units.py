@@ -21,8 +21,8 @@ from agents.engines import (
     weights_path,
 )
 from agents.gpus import parse_simulated
+from agents.plan import fingerprint
 from agents.protocol import DesiredShard, DesiredShardState, Engine, FailureClass
-from agents.shards import fingerprint
 
 CTX = LaunchContext(host="10.0.0.7", python="/opt/py/bin/python", weights_dir=Path("/srv/w"))
 SHARD = DesiredShard(

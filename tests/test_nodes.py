@@ -41,7 +41,7 @@ from agents.protocol import (
     decode_server_message,
     encode,
 )
-from control import nodes
+from control import agent_reports, desired_state, health, node_tokens, nudges
 from control.agent_sessions import AgentSession
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 from control.routing import websocket_urlpatterns
@@ -59,7 +59,7 @@ NOW = timezone.now()
 
 
 def make_node(name: str = "n1", **fields: Any) -> tuple[Node, str]:
-    token = nodes.issue_node_token(name)
+    token = node_tokens.issue_node_token(name)
     node = Node.objects.get(name=name)
     if fields:
         Node.objects.filter(pk=node.pk).update(**fields)
@@ -118,11 +118,11 @@ def report(shard: Shard, state: ShardState, **changes: Any) -> ShardStatus:
 )  # fmt: skip
 def test_node_health_follows_the_age_of_the_last_heartbeat(age: float, expected: str) -> None:
     last = NOW - timedelta(seconds=age)
-    assert nodes.node_health(last, NOW, unreachable_after=15, lost_after=60) == expected
+    assert health.node_health(last, NOW, unreachable_after=15, lost_after=60) == expected
 
 
 def test_a_node_that_never_beat_is_new() -> None:
-    assert nodes.node_health(None, NOW, unreachable_after=15, lost_after=60) == "new"
+    assert health.node_health(None, NOW, unreachable_after=15, lost_after=60) == "new"
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def test_a_node_that_never_beat_is_new() -> None:
     ],
 )
 def test_a_replica_is_ready_only_when_every_shard_is(states: list[str], expected: str) -> None:
-    assert nodes.replica_observed(states) == expected
+    assert agent_reports.replica_observed(states) == expected
 
 
 # --------------------------------------------------------------------------- tokens
@@ -150,20 +150,22 @@ def test_a_replica_is_ready_only_when_every_shard_is(states: list[str], expected
 def test_a_token_authenticates_its_own_node_and_no_other() -> None:
     _, token_a = make_node("node-a")
     make_node("node-b")
-    assert nodes.authenticate(token_a, "node-a").name == "node-a"
-    assert nodes.authenticate(token_a, None).name == "node-a"
-    with pytest.raises(nodes.TokenRejected, match="token of node 'node-a' claims node 'node-b'"):
-        nodes.authenticate(token_a, "node-b")
+    assert node_tokens.authenticate(token_a, "node-a").name == "node-a"
+    assert node_tokens.authenticate(token_a, None).name == "node-a"
+    with pytest.raises(
+        node_tokens.TokenRejected, match="token of node 'node-a' claims node 'node-b'"
+    ):
+        node_tokens.authenticate(token_a, "node-b")
     for bad in ("", "llmgw_node_" + "x" * 43, "Bearer abc", token_a + "x"):
-        with pytest.raises(nodes.TokenRejected):
-            nodes.authenticate(bad, "node-a")
+        with pytest.raises(node_tokens.TokenRejected):
+            node_tokens.authenticate(bad, "node-a")
 
 
 @db
 def test_tokens_are_kept_only_as_hashes_with_a_visible_prefix() -> None:
     node, token = make_node("n1")
     assert token.startswith("llmgw_node_") and len(token) > 50
-    assert node.token_hash == nodes.hash_token(token) and node.token_hash != token
+    assert node.token_hash == node_tokens.hash_token(token) and node.token_hash != token
     assert token.startswith(node.token_prefix) and len(node.token_prefix) < len(token) / 2
     dumped = json.dumps(list(Node.objects.values()), default=str)
     dumped += json.dumps(list(Event.objects.values()), default=str)
@@ -173,15 +175,15 @@ def test_tokens_are_kept_only_as_hashes_with_a_visible_prefix() -> None:
 @db
 def test_a_reissued_token_replaces_the_old_one_and_revoking_ends_it() -> None:
     _, first = make_node("n1")
-    second = nodes.issue_node_token("n1")
-    with pytest.raises(nodes.TokenRejected, match="unknown or revoked"):
-        nodes.authenticate(first, "n1")
-    assert nodes.authenticate(second, "n1").name == "n1"
-    assert nodes.revoke_node_token("n1")
-    assert not nodes.revoke_node_token("n1")  # nothing left to revoke
-    assert not nodes.revoke_node_token("nope")
-    with pytest.raises(nodes.TokenRejected):
-        nodes.authenticate(second, "n1")
+    second = node_tokens.issue_node_token("n1")
+    with pytest.raises(node_tokens.TokenRejected, match="unknown or revoked"):
+        node_tokens.authenticate(first, "n1")
+    assert node_tokens.authenticate(second, "n1").name == "n1"
+    assert node_tokens.revoke_node_token("n1")
+    assert not node_tokens.revoke_node_token("n1")  # nothing left to revoke
+    assert not node_tokens.revoke_node_token("nope")
+    with pytest.raises(node_tokens.TokenRejected):
+        node_tokens.authenticate(second, "n1")
     assert Event.objects.filter(subject="node/n1", message="node token revoked").exists()
 
 
@@ -190,14 +192,14 @@ def test_issue_node_token_prints_once_or_writes_a_private_file(tmp_path: Path) -
     out, err = StringIO(), StringIO()
     call_command("issue_node_token", "gpu-07", stdout=out, stderr=err)
     token = out.getvalue().strip()
-    assert nodes.authenticate(token, "gpu-07").name == "gpu-07"
+    assert node_tokens.authenticate(token, "gpu-07").name == "gpu-07"
     assert token not in err.getvalue()
     target = tmp_path / "sub" / "token"
     call_command("issue_node_token", "gpu-07", "--output", str(target), stdout=out, stderr=err)
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
-    assert nodes.authenticate(target.read_text().strip(), "gpu-07").name == "gpu-07"
-    with pytest.raises(nodes.TokenRejected):
-        nodes.authenticate(token, "gpu-07")  # the printed one was replaced
+    assert node_tokens.authenticate(target.read_text().strip(), "gpu-07").name == "gpu-07"
+    with pytest.raises(node_tokens.TokenRejected):
+        node_tokens.authenticate(token, "gpu-07")  # the printed one was replaced
 
 
 @db
@@ -221,11 +223,11 @@ def test_refresh_marks_late_nodes_unreachable_then_lost(settings: Any) -> None:
     node, _ = make_node("n1", last_heartbeat_at=NOW, health=Node.Health.READY)
     make_node("fresh", last_heartbeat_at=NOW + timedelta(seconds=50), health=Node.Health.READY)
     make_node("never")
-    assert nodes.refresh_node_health(NOW + timedelta(seconds=10)) == []
-    changes = nodes.refresh_node_health(NOW + timedelta(seconds=20))
+    assert health.refresh_node_health(NOW + timedelta(seconds=10)) == []
+    changes = health.refresh_node_health(NOW + timedelta(seconds=20))
     assert [(c.name, c.old, c.new) for c in changes] == [("n1", "ready", "unreachable")]
-    assert nodes.refresh_node_health(NOW + timedelta(seconds=30)) == []  # no repeat
-    changes = nodes.refresh_node_health(NOW + timedelta(seconds=61))
+    assert health.refresh_node_health(NOW + timedelta(seconds=30)) == []  # no repeat
+    changes = health.refresh_node_health(NOW + timedelta(seconds=61))
     assert [(c.name, c.new) for c in changes] == [("n1", "lost")]
     assert Node.objects.get(name="fresh").health == "ready"
     assert Node.objects.get(name="never").health == "new"
@@ -239,12 +241,12 @@ def test_refresh_marks_late_nodes_unreachable_then_lost(settings: Any) -> None:
 @db
 def test_a_heartbeat_brings_a_late_node_back_to_ready() -> None:
     node, _ = make_node("n1", health=Node.Health.UNREACHABLE, last_heartbeat_at=NOW)
-    nodes.record_heartbeat(node.pk)
+    agent_reports.record_heartbeat(node.pk)
     node.refresh_from_db()
     assert node.health == "ready"
     assert node.last_heartbeat_at is not None and node.last_heartbeat_at > NOW
     assert Event.objects.filter(message="node ready: heartbeats back").count() == 1
-    nodes.record_heartbeat(node.pk)
+    agent_reports.record_heartbeat(node.pk)
     assert Event.objects.filter(message="node ready: heartbeats back").count() == 1
 
 
@@ -255,13 +257,13 @@ def test_a_heartbeat_brings_a_late_node_back_to_ready() -> None:
 def test_hello_registers_the_node_and_its_gpus() -> None:
     node, _ = make_node("n1")
     Gpu.objects.create(node=node, index=5, memory_total_mib=1)  # a device no longer there
-    nodes.register_hello(node.pk, hello())
+    agent_reports.register_hello(node.pk, hello())
     node.refresh_from_db()
     assert (node.health, node.addresses, node.agent_version) == ("ready", ["10.0.0.7"], "0.1.0")
     assert (node.port_min, node.port_max, node.boot_id) == (20000, 20099, "boot-1")
     gpus = list(node.gpus.values_list("index", "uuid", "memory_total_mib", "memory_used_mib"))
     assert gpus == [(0, "GPU-0", 81920, 10), (1, "GPU-1", 81920, 20)]
-    nodes.register_hello(node.pk, hello(boot_id="boot-2", gpus=hello().gpus[:1]))
+    agent_reports.register_hello(node.pk, hello(boot_id="boot-2", gpus=hello().gpus[:1]))
     assert list(node.gpus.values_list("index", flat=True)) == [0]
     assert Event.objects.filter(message__startswith="node agent restarted").exists()
 
@@ -272,12 +274,14 @@ def test_status_updates_shards_and_their_replica() -> None:
     other, _ = make_node("n2")
     shard = make_replica(node)
     foreign = make_replica(other, port=20002)
-    nodes.record_status(node.pk, [report(shard, ShardState.STARTING)], nodes.NodeReport())
+    agent_reports.record_status(
+        node.pk, [report(shard, ShardState.STARTING)], agent_reports.NodeReport()
+    )
     assert Replica.objects.get(pk=shard.replica_id).observed == "starting"
-    nodes.record_status(
+    agent_reports.record_status(
         node.pk,
         [report(shard, ShardState.READY, requests_running=2, requests_waiting=1)],
-        nodes.NodeReport(observed_revision=4, stale_rejected=0),
+        agent_reports.NodeReport(observed_revision=4, stale_rejected=0),
     )
     shard.refresh_from_db()
     replica = Replica.objects.get(pk=shard.replica_id)
@@ -293,7 +297,7 @@ def test_status_updates_shards_and_their_replica() -> None:
         message="killed by SIGKILL while it should run",
         log_tail=("loading", "CUDA out of memory"),
     )
-    nodes.record_status(node.pk, [failed], nodes.NodeReport())
+    agent_reports.record_status(node.pk, [failed], agent_reports.NodeReport())
     shard.refresh_from_db()
     replica.refresh_from_db()
     assert (shard.observed, shard.exit_code, shard.failure_class) == ("failed", -9, "oom")
@@ -304,8 +308,10 @@ def test_status_updates_shards_and_their_replica() -> None:
     # A late report about an older generation, or about another node's shard, changes nothing.
     Replica.objects.filter(pk=replica.pk).update(generation=2, observed="pending")
     late = report(shard, ShardState.READY, generation=1)
-    nodes.record_status(node.pk, [late], nodes.NodeReport())
-    nodes.record_status(node.pk, [report(foreign, ShardState.FAILED)], nodes.NodeReport())
+    agent_reports.record_status(node.pk, [late], agent_reports.NodeReport())
+    agent_reports.record_status(
+        node.pk, [report(foreign, ShardState.FAILED)], agent_reports.NodeReport()
+    )
     assert Replica.objects.get(pk=replica.pk).observed == "pending"
     assert Shard.objects.get(pk=foreign.pk).observed == "pending"
 
@@ -314,7 +320,9 @@ def test_status_updates_shards_and_their_replica() -> None:
 def test_weights_refusals_and_stale_epochs_are_recorded_on_the_node() -> None:
     node, _ = make_node("n1")
     refused = WeightsReport("org/m", WeightsState.REFUSED, "refused: in use by shard(s) 3")
-    nodes.record_status(node.pk, [], nodes.NodeReport(weights=(refused,), stale_rejected=2))
+    agent_reports.record_status(
+        node.pk, [], agent_reports.NodeReport(weights=(refused,), stale_rejected=2)
+    )
     node.refresh_from_db()
     assert node.weights_report == [refused.to_dict()]
     assert node.stale_desired_rejected == 2
@@ -338,7 +346,7 @@ def test_the_desired_state_is_read_in_full_from_the_database(settings: Any) -> N
     Shard.objects.filter(pk=done.pk).update(observed="stopped")
     make_replica(make_node("n2")[0], port=20005, model="elsewhere")
 
-    state = nodes.build_desired_state(node.pk)
+    state = desired_state.build_desired_state(node.pk)
     assert (state.node, state.epoch, state.remove_weights) == ("n1", 0, ("org/old",))
     by_id = {s.shard_id: s for s in state.shards}
     assert set(by_id) == {running.pk, draining.pk, stopping.pk}  # done: nothing to stop
@@ -359,9 +367,9 @@ def test_the_desired_state_is_read_in_full_from_the_database(settings: Any) -> N
 @db
 def test_the_desired_state_carries_the_leaders_epoch(election_on: Any) -> None:
     node, _ = make_node("n1")
-    assert nodes.build_desired_state(node.pk).epoch == 0  # nobody ever led
+    assert desired_state.build_desired_state(node.pk).epoch == 0  # nobody ever led
     Lease.objects.create(name="reconciler", owner="x", epoch=7, expires_at_ms=0)
-    assert nodes.build_desired_state(node.pk).epoch == 7
+    assert desired_state.build_desired_state(node.pk).epoch == 7
 
 
 @db
@@ -373,7 +381,7 @@ def test_a_multi_node_shard_learns_where_its_head_is() -> None:
     replica = Replica.objects.create(model=served, profile=profile)
     Shard.objects.create(replica=replica, node=head_node, rank=0, port=20010)
     Shard.objects.create(replica=replica, node=worker_node, rank=1, port=20011)
-    (shard,) = nodes.build_desired_state(worker_node.pk).shards
+    (shard,) = desired_state.build_desired_state(worker_node.pk).shards
     assert (shard.rank, shard.world_size, shard.head_address, shard.head_port) == (
         1,
         2,
@@ -387,14 +395,14 @@ def test_a_nudge_bumps_the_revision_and_reaches_the_node_after_commit() -> None:
     node, _ = make_node("n1")
     layer = get_channel_layer()
     channel = async_to_sync(layer.new_channel)()
-    async_to_sync(layer.group_add)(nodes.node_group(node.pk), channel)
+    async_to_sync(layer.group_add)(nudges.node_group(node.pk), channel)
     with transaction.atomic():
-        nodes.nudge_node(node.pk)
+        nudges.nudge_node(node.pk)
         assert Node.objects.get(pk=node.pk).desired_revision == 1
     message = async_to_sync(layer.receive)(channel)
-    assert message == {"type": nodes.DESIRED_CHANGED}
+    assert message == {"type": nudges.DESIRED_CHANGED}
     with pytest.raises(RuntimeError), transaction.atomic():
-        nodes.nudge_node(node.pk)
+        nudges.nudge_node(node.pk)
         raise RuntimeError("rolled back")
     assert Node.objects.get(pk=node.pk).desired_revision == 1  # nothing sent, nothing bumped
 
@@ -411,7 +419,7 @@ def test_a_nudge_through_a_dead_channel_layer_fails_nobody(
     }
     node, _ = make_node("n1")
     with transaction.atomic():
-        nodes.nudge_node(node.pk)
+        nudges.nudge_node(node.pk)
     assert Node.objects.get(pk=node.pk).desired_revision == 1
     assert "the periodic resync will deliver the change" in caplog.text
 
@@ -437,7 +445,7 @@ async def test_the_session_coalesces_heartbeats_into_few_writes(
 ) -> None:
     settings.LLMGW_UNREACHABLE_AFTER = 15  # writes at most every 5s
     node, _ = await database_sync_to_async(make_node)("n1")
-    identity = nodes.NodeIdentity(node.pk, "n1")
+    identity = node_tokens.NodeIdentity(node.pk, "n1")
     transport = FakeTransport()
     session = AgentSession(identity, transport, clock=fake_clock)
     await session.receive(encode(hello()))
@@ -462,7 +470,7 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     settings.LLMGW_AGENT_RESYNC_INTERVAL = 10
     node, _ = await database_sync_to_async(make_node)("n1")
     transport = FakeTransport()
-    session = AgentSession(nodes.NodeIdentity(node.pk, "n1"), transport, clock=fake_clock)
+    session = AgentSession(node_tokens.NodeIdentity(node.pk, "n1"), transport, clock=fake_clock)
     await session.tick()
     assert transport.sent == []  # nothing before hello
     await session.receive(encode(hello()))
@@ -481,7 +489,7 @@ async def test_a_node_deleted_after_its_handshake_is_refused_at_hello() -> None:
     node, _ = await database_sync_to_async(make_node)("n1")
     await Node.objects.filter(pk=node.pk).adelete()
     transport = FakeTransport()
-    session = AgentSession(nodes.NodeIdentity(node.pk, "n1"), transport)
+    session = AgentSession(node_tokens.NodeIdentity(node.pk, "n1"), transport)
     await session.receive(encode(hello()))
     assert transport.closed is not None and transport.closed[0] == CloseCode.UNAUTHORIZED
     assert json.loads(transport.sent[-1])["message"] == "this node no longer exists"
@@ -491,7 +499,7 @@ async def test_a_session_without_hello_is_closed_after_the_deadline(
     fake_clock: FakeClock,
 ) -> None:
     transport = FakeTransport()
-    session = AgentSession(nodes.NodeIdentity(1, "n1"), transport, clock=fake_clock)
+    session = AgentSession(node_tokens.NodeIdentity(1, "n1"), transport, clock=fake_clock)
     fake_clock.advance(10)
     await session.tick()
     assert transport.closed is not None and transport.closed[0] == CloseCode.HELLO_TIMEOUT
@@ -521,7 +529,7 @@ async def token() -> AsyncIterator[str]:
 
 @committed
 async def test_the_stream_refuses_handshakes_without_a_valid_token(token: str) -> None:
-    other = await database_sync_to_async(nodes.issue_node_token)("n2")
+    other = await database_sync_to_async(node_tokens.issue_node_token)("n2")
     for bearer, claimed in [
         (None, "n1"),
         ("llmgw_node_wrong", "n1"),
@@ -581,7 +589,7 @@ async def test_hello_is_answered_with_welcome_and_the_full_desired_state(token: 
 def _set_desired(replica_id: int, desired: str, node_id: int) -> None:
     with transaction.atomic():
         Replica.objects.filter(pk=replica_id).update(desired=desired)
-        nodes.nudge_node(node_id)
+        nudges.nudge_node(node_id)
 
 
 @committed
@@ -621,7 +629,7 @@ async def test_a_second_hello_on_one_stream_is_refused(token: str) -> None:
 @committed
 async def test_revoking_a_token_closes_its_open_stream(token: str) -> None:
     comm = await _open(token)
-    assert await database_sync_to_async(nodes.revoke_node_token)("n1")
+    assert await database_sync_to_async(node_tokens.revoke_node_token)("n1")
     code, message = await _closed_with(comm)
     assert (code, message) == (CloseCode.UNAUTHORIZED, "this node's token was revoked")
 

@@ -297,7 +297,7 @@ def test_the_agents_package_imports_without_django() -> None:
         "for name in names: importlib.import_module(name)\n"
         "loaded = [m for m in sys.modules if m == 'django' or m.startswith('django.')]\n"
         "assert not loaded, loaded\n"
-        "assert 'agents.protocol' in sys.modules and 'agents.shards' in sys.modules\n"
+        "assert 'agents.protocol' in sys.modules and 'agents.supervisor' in sys.modules\n"
         "print(len(names))\n"
     )
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)}

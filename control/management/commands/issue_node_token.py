@@ -13,7 +13,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from agents.protocol import valid_node_name
-from control import nodes
+from control import node_tokens
 
 
 class Command(BaseCommand):
@@ -31,7 +31,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, node: str, output: Path | None, **options: Any) -> None:
         if not valid_node_name(node):
             raise CommandError(f"{node!r} is not a node name: use letters, digits, '-' and '_'")
-        token = nodes.issue_node_token(node)
+        token = node_tokens.issue_node_token(node)
         if output is None:
             self.stdout.write(token)
             self.stderr.write(

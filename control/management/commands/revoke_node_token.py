@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from control import nodes
+from control import node_tokens
 
 
 class Command(BaseCommand):
@@ -17,7 +17,7 @@ class Command(BaseCommand):
         parser.add_argument("node")
 
     def handle(self, *args: Any, node: str, **options: Any) -> None:
-        if nodes.revoke_node_token(node):
+        if node_tokens.revoke_node_token(node):
             self.stdout.write(f"token of node {node} revoked")
             return
         self.stderr.write(f"node {node} does not exist or has no token")

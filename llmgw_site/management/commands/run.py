@@ -22,7 +22,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from control import nodes
+from control import node_tokens
 from control.models import Event, Profile, ServedModel
 from gateway import keys
 from gateway.models import ApiKey
@@ -185,7 +185,7 @@ class Command(BaseCommand):
         if not no_agent:
             agent_dir = settings.VAR_DIR / "agent"
             token_file = agent_dir / "token"
-            write_secret(token_file, nodes.issue_node_token(LOCAL_NODE))
+            write_secret(token_file, node_tokens.issue_node_token(LOCAL_NODE))
             agent_env = {k: v for k, v in env.items() if k not in {"DATABASE_URL", "SECRET_KEY"}}
             children.append(
                 launcher.Child("agent", agent_argv(base, host, token_file, agent_dir), agent_env)

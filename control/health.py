@@ -1,0 +1,97 @@
+"""Node health, from heartbeats alone: ready, then unreachable, then lost as they stop.
+
+An agent beats every ``LLMGW_AGENT_HEARTBEAT_INTERVAL`` seconds, but its stream writes
+``last_heartbeat_at`` at most every :func:`heartbeat_write_interval` seconds, so a thousand
+agents cost a few writes a second, not a write per message. Health is computed from that
+column by the pure :func:`node_health` and applied by :func:`refresh_node_health`, which the
+reconciler calls every tick. A node becomes ready again through the agent's own reports
+(:mod:`control.agent_reports`), never here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from control.models import Event, Node
+
+logger = logging.getLogger(__name__)
+
+Health = Node.Health
+
+
+def node_health(
+    last_heartbeat_at: datetime | None,
+    now: datetime,
+    *,
+    unreachable_after: float,
+    lost_after: float,
+) -> str:
+    """A node's health from its last heartbeat alone (pure)."""
+    if last_heartbeat_at is None:
+        return str(Health.NEW)
+    age = (now - last_heartbeat_at).total_seconds()
+    if age >= lost_after:
+        return str(Health.LOST)
+    if age >= unreachable_after:
+        return str(Health.UNREACHABLE)
+    return str(Health.READY)
+
+
+def heartbeat_write_interval() -> float:
+    """How often a stream writes its node's heartbeat: coalesced, but well inside the
+    unreachable threshold so a live node can never look late."""
+    return float(min(5.0, settings.LLMGW_UNREACHABLE_AFTER / 3))
+
+
+@dataclass(frozen=True)
+class HealthChange:
+    node_id: int
+    name: str
+    old: str
+    new: str
+
+
+def refresh_node_health(now: datetime | None = None) -> list[HealthChange]:
+    """Mark nodes whose heartbeats stopped unreachable, then lost. Returns what changed.
+
+    A compare-and-set on (health, last_heartbeat_at): a heartbeat written between the read
+    and the update wins, so a node that just came back is never marked late. Becoming ready
+    again is the heartbeat writer's job, not this one's.
+    """
+    now = now or timezone.now()
+    unreachable_after = float(settings.LLMGW_UNREACHABLE_AFTER)
+    lost_after = float(settings.LLMGW_LOST_AFTER)
+    changes: list[HealthChange] = []
+    late = Node.objects.filter(
+        last_heartbeat_at__lt=now - timedelta(seconds=unreachable_after)
+    ).exclude(health=Health.LOST)
+    for node_id, name, health, last in late.values_list(
+        "pk", "name", "health", "last_heartbeat_at"
+    ):
+        if last is None:  # excluded by the filter; here for the type checker
+            continue
+        new = node_health(last, now, unreachable_after=unreachable_after, lost_after=lost_after)
+        if new in (health, Health.READY):
+            continue
+        with transaction.atomic():
+            updated = Node.objects.filter(pk=node_id, health=health, last_heartbeat_at=last).update(
+                health=new
+            )
+            if updated:
+                age = (now - last).total_seconds()
+                Event.objects.create(
+                    kind=Event.Kind.NODE,
+                    subject=f"node/{name}",
+                    message=f"node {new}: no heartbeat for {age:.1f}s",
+                    data={"from": health, "to": new},
+                )
+        if updated:
+            logger.warning("node %s is %s (last heartbeat %.1fs ago)", name, new, age)
+            changes.append(HealthChange(node_id, name, health, new))
+    return changes

@@ -1,0 +1,101 @@
+"""Node tokens: issued and revoked by operators, checked at every stream's handshake.
+
+A token is shown once; only its SHA-256 and a visible prefix are stored. Re-issuing or
+revoking a token closes the streams that hold the old one (through a nudge after commit), so a
+leaked token stops working at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from typing import Final
+
+from django.db import transaction
+from django.utils import timezone
+
+from agents.protocol import TOKEN_PREFIX
+from control import nudges
+from control.models import Event, Node
+
+TOKEN_VISIBLE_CHARS: Final = len(TOKEN_PREFIX) + 6
+MAX_TOKEN_LENGTH: Final = 200
+
+
+def hash_token(token: str) -> str:
+    """A node token has 256 bits of entropy, so one SHA-256 is enough: nothing to brute-force,
+    and a lookup by hash takes no time that depends on the secret."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Who is on the other end of a stream, as its token proved."""
+
+    id: int
+    name: str
+
+
+class TokenRejected(Exception):
+    """The handshake's token is missing, unknown or revoked, or claims another node."""
+
+
+def issue_node_token(name: str) -> str:
+    """A new token for node ``name`` (created if new), replacing any earlier one.
+
+    Returned once; only its hash and visible prefix are kept. Streams holding the old token
+    are closed after commit, so a leaked token stops working at once when re-issued.
+    """
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    with transaction.atomic():
+        node, created = Node.objects.get_or_create(name=name)
+        Node.objects.filter(pk=node.pk).update(
+            token_hash=hash_token(token),
+            token_prefix=token[:TOKEN_VISIBLE_CHARS],
+            token_issued_at=timezone.now(),
+        )
+        Event.objects.create(
+            kind=Event.Kind.NODE,
+            subject=f"node/{name}",
+            message=f"node token issued ({token[:TOKEN_VISIBLE_CHARS]}…)"
+            + (", node registered" if created else ", the previous token no longer works"),
+        )
+        if not created:
+            nudges.send_on_commit(node.pk, nudges.TOKEN_REVOKED)
+    return token
+
+
+def revoke_node_token(name: str) -> bool:
+    """Revoke a node's token; its streams are closed after commit. False: nothing to revoke."""
+    with transaction.atomic():
+        node = Node.objects.filter(name=name).only("pk").first()
+        if node is None:
+            return False
+        revoked = (
+            Node.objects.filter(pk=node.pk)
+            .exclude(token_hash="")
+            .update(token_hash="", token_prefix="")
+        )
+        if revoked:
+            Event.objects.create(
+                kind=Event.Kind.NODE, subject=f"node/{name}", message="node token revoked"
+            )
+            nudges.send_on_commit(node.pk, nudges.TOKEN_REVOKED)
+    return bool(revoked)
+
+
+def authenticate(token: str, claimed_node: str | None) -> NodeIdentity:
+    """The node a token belongs to. Raises :class:`TokenRejected` with a reason for the log
+    (never containing the token)."""
+    if not token:
+        raise TokenRejected("no node token")
+    if not token.startswith(TOKEN_PREFIX) or len(token) > MAX_TOKEN_LENGTH:
+        raise TokenRejected("not a node token")
+    row = Node.objects.filter(token_hash=hash_token(token)).values_list("pk", "name").first()
+    if row is None:
+        raise TokenRejected("unknown or revoked node token")
+    identity = NodeIdentity(id=row[0], name=row[1])
+    if claimed_node is not None and claimed_node != identity.name:
+        raise TokenRejected(f"the token of node {identity.name!r} claims node {claimed_node!r}")
+    return identity

@@ -1,0 +1,67 @@
+"""Nudges: telling a node's agent streams, through the channel layer, that something changed.
+
+A nudge carries no state. Desired state is always read from the database, so a nudge lost on
+the way (channel layer down, a process without Redis) only delays a change until the stream's
+periodic resync. Nudges go out after commit, so a stream never re-reads before the change is
+visible.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.db import transaction
+from django.db.models import F
+
+from control.models import Node
+
+logger = logging.getLogger(__name__)
+
+# Channel-layer message types the agent consumer handles (dots become underscores).
+DESIRED_CHANGED: Final = "desired.changed"
+TOKEN_REVOKED: Final = "token.revoked"  # noqa: S105 - a message type, not a secret
+SESSION_TAKEOVER: Final = "session.takeover"
+
+
+def node_group(node_id: int) -> str:
+    """The channel-layer group of every stream held for one node."""
+    return f"llmgw.node.{node_id}"
+
+
+def nudge_node(node_id: int) -> None:
+    """Say "node N's desired state changed". Call inside the transaction that changed it.
+
+    Bumps the node's desired revision now and tells its streams after commit; a nudge lost on
+    the way is repaired by the periodic resync, because the stream re-reads everything from
+    the database either way.
+    """
+    Node.objects.filter(pk=node_id).update(desired_revision=F("desired_revision") + 1)
+    send_on_commit(node_id, DESIRED_CHANGED)
+
+
+def send_on_commit(node_id: int, message_type: str, **extra: Any) -> None:
+    """Send to the node's streams once the current transaction commits (never if it rolls
+    back)."""
+    transaction.on_commit(lambda: send_to_node(node_id, message_type, **extra))
+
+
+def send_to_node(node_id: int, message_type: str, **extra: Any) -> bool:
+    """Best effort: a channel layer that is down must never fail the caller's work."""
+    layer = get_channel_layer()
+    if layer is None:
+        return False
+    try:
+        async_to_sync(layer.group_send)(node_group(node_id), {"type": message_type, **extra})
+    except Exception as exc:
+        logger.warning(
+            "node %s: %s not delivered through the channel layer (%s); the periodic resync "
+            "will deliver the change",
+            node_id,
+            message_type,
+            type(exc).__name__,
+        )
+        return False
+    return True
