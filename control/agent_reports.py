@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from agents.protocol import GpuInfo, Hello, ShardStatus, WeightsReport
 from control.models import Event, Gpu, Node, Replica, Shard
+from llmgw_site import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -173,13 +174,6 @@ def record_status(
         _record_node_report(node_id, name or "?", node, now)
 
 
-def _observe_cold_start(model: str, seconds: float) -> None:
-    # Imported here: the metrics module reads the fleet through modules that import this one.
-    from llmgw_site import metrics  # noqa: PLC0415
-
-    metrics.observe_cold_start(model, seconds)
-
-
 def _refresh_replica(replica_id: int, now: datetime) -> None:
     # Lock the replica first: two agents of one multi-node replica report at once, and each
     # must compute the aggregate from the other's committed shard state.
@@ -204,7 +198,7 @@ def _refresh_replica(replica_id: int, now: datetime) -> None:
         if replica.ready_at is None:
             cold_start = (now - replica.created_at).total_seconds()
             model = str(replica.model.name)
-            transaction.on_commit(lambda: _observe_cold_start(model, cold_start))
+            transaction.on_commit(lambda: metrics.observe_cold_start(model, cold_start))
     if observed == Observed.FAILED:
         changes.update(failure_class=failure, failures=F("failures") + 1)
     Replica.objects.filter(pk=replica_id, observed=replica.observed).update(**changes)
