@@ -27,33 +27,26 @@ from daphne.http_protocol import WebRequest
 from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler, ASGIRequest
 from django.core.handlers.exception import convert_exception_to_response
-from django.http import HttpResponse
 from django.http.response import HttpResponseBase
 from django.urls import set_script_prefix
 
 from gateway import keys, proxy
-from gateway.errors import ApiError, error_body, invalid_key
+from gateway.api import to_django
+from gateway.errors import ApiError, error_response, invalid_key, openai_shaped, too_large
+from gateway.responses import Response
+from gateway.routes import BY_PATH, RelayRoute
 
 Scope = dict[str, Any]
 Receive = Any
 Send = Any
 
 
-# The five routes that go to an engine. They are documented and implemented as django-ninja
-# operations (gateway.api), but the handler calls the same function ninja's views call without
-# building a Django request, resolving the URL or running ninja's operation machinery: measured
-# in-process (tests/bench.py setup, out-of-process sim) at ~250 us of CPU saved per request,
-# a quarter of the total. Every other /v1 path goes through ninja.
-RELAY_ROUTES = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-    "/v1/responses": "responses",
-    "/v1/rerank": "rerank",
-}
-
-
-async def _fast_relay(scope: Scope, body: bytes, kind: str, clock_start: float) -> HttpResponseBase:
+# The routes that go to an engine (gateway.routes) are documented as django-ninja operations
+# (gateway.api), but the handler calls the same function ninja's views call without building a
+# Django request, resolving the URL or running ninja's operation machinery: measured in-process
+# (tests/bench.py setup, out-of-process sim) at ~250 us of CPU saved per request, a quarter of
+# the total. Every other /v1 path goes through ninja.
+async def _fast_relay(scope: Scope, body: bytes, route: RelayRoute, clock_start: float) -> Response:
     authorization = None
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
@@ -62,10 +55,10 @@ async def _fast_relay(scope: Scope, body: bytes, kind: str, clock_start: float) 
     try:
         key = await keys.authenticate(authorization)
     except ApiError as error:
-        return proxy.error_response(error)
+        return error_response(error)
     if key is None:
-        return proxy.error_response(invalid_key())
-    return await proxy.relay(body, key, kind, clock_start)
+        return error_response(invalid_key())
+    return await proxy.relay(body, key, route, clock_start)
 
 
 class BodyTooLarge(Exception):
@@ -86,17 +79,18 @@ def _declared_length(scope: Scope) -> int | None:
     return None
 
 
-async def _send_error(send: Send, error: ApiError) -> None:
-    body = error.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in error.response_headers().items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def too_large() -> ApiError:
-    limit = int(settings.LLMGW_MAX_BODY_BYTES)
-    return ApiError(413, f"The request body is larger than {limit} bytes.", "request_too_large")
+async def send_answer(response: Response, send: Send) -> None:
+    """Write a relay answer; a stream's chunks go out as they come, never collected."""
+    await send(
+        {"type": "http.response.start", "status": response.status, "headers": response.headers}
+    )
+    if response.stream is None:
+        await send({"type": "http.response.body", "body": response.body})
+        return
+    async with contextlib.aclosing(response.stream) as parts:
+        async for part in parts:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
 
 
 class GatewayHandler(ASGIHandler):
@@ -120,25 +114,27 @@ class GatewayHandler(ASGIHandler):
         limit = int(settings.LLMGW_MAX_BODY_BYTES)
         declared = _declared_length(scope)
         if declared is not None and declared > limit:
-            await _send_error(send, too_large())
+            await send_answer(error_response(too_large()), send)
             return
         try:
             body = await self._read_limited(receive, limit)
         except RequestGone:
             return
         except BodyTooLarge:
-            await _send_error(send, too_large())
+            await send_answer(error_response(too_large()), send)
             return
-        kind = RELAY_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
+        route = BY_PATH.get(scope["path"]) if scope["method"] == "POST" else None
 
         async def respond() -> None:
-            if kind is not None:
-                response = await _fast_relay(scope, body, kind, clock_start)
-            else:
-                response = await self._through_ninja(scope, body, clock_start)
             # A client that goes away while we send cancels this task; nothing is left to do.
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.send_response(response, send)
+            if route is not None:
+                answer = await _fast_relay(scope, body, route, clock_start)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await send_answer(answer, send)
+            else:
+                response = await self._through_ninja(scope, body)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.send_response(response, send)
 
         # As Django does: a disconnect while the view runs cancels it, which is how a client
         # that hangs up stops the upstream request (gateway.proxy closes it on cancellation).
@@ -151,35 +147,15 @@ class GatewayHandler(ASGIHandler):
             with contextlib.suppress(asyncio.CancelledError, RequestGone):
                 await task
 
-    async def send_response(self, response: HttpResponseBase, send: Send) -> None:
-        """Django's, except for the relay's SSE streams, whose chunks go out as they come:
-        Django's streaming wrapper (a generator mapping every chunk through ``make_bytes``,
-        then re-chunking it) costs a few microseconds per event for nothing here."""
-        stream = getattr(response, "llmgw_stream", None)
-        if stream is None:
-            await super().send_response(response, send)
-            return
-        headers = [(k.encode("ascii"), v.encode("latin-1")) for k, v in response.items()]
-        await send(
-            {"type": "http.response.start", "status": response.status_code, "headers": headers}
-        )
-        async with contextlib.aclosing(stream) as parts:
-            async for part in parts:
-                await send({"type": "http.response.body", "body": part, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-    async def _through_ninja(
-        self, scope: Scope, body: bytes, clock_start: float
-    ) -> HttpResponseBase:
+    async def _through_ninja(self, scope: Scope, body: bytes) -> HttpResponseBase:
         set_script_prefix(scope.get("root_path", "") or "/")
         request = _request(scope, body)
         if request is None:
-            return proxy.error_response(
-                ApiError(400, "The request could not be read.", "bad_request")
+            return to_django(
+                error_response(ApiError(400, "The request could not be read.", "bad_request"))
             )
-        request.llmgw_clock_start = clock_start  # type: ignore[attr-defined]
         response = await self._middleware_chain(request)  # type: ignore[misc]
-        return _openai_shaped(response)
+        return openai_shaped(response)
 
     async def _read_limited(self, receive: Receive, limit: int) -> bytes:
         parts: list[bytes] = []
@@ -245,24 +221,6 @@ def _request(scope: Scope, body: bytes) -> ASGIRequest | None:
     # The body is already in memory: hand it over instead of letting Django copy it again.
     request._body = body
     return request
-
-
-def _openai_shaped(response: HttpResponseBase) -> HttpResponseBase:
-    """Django's own 404/405 pages (unknown path, wrong method) as OpenAI-shaped errors."""
-    if response.status_code not in (404, 405):
-        return response
-    if response.get("Content-Type", "").startswith("application/json"):
-        return response
-    if response.status_code == 404:
-        body = error_body("Unknown API path.", "invalid_request_error", "unknown_url")
-    else:
-        body = error_body(
-            "Method not allowed for this path.", "invalid_request_error", "method_not_allowed"
-        )
-    shaped = HttpResponse(body, status=response.status_code, content_type="application/json")
-    if "Allow" in response:
-        shaped["Allow"] = response["Allow"]
-    return shaped
 
 
 def by_path(prefix: str, matched: Any, other: Any) -> Any:

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.errors import ApiError, bad_field
+from gateway.routes import RelayRoute
 
-# Which routes stream with chat-style chunks (and so accept stream_options).
-CHUNKED_STREAMS = frozenset({"chat", "completions"})
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _USAGE_KEY = b'"usage"'
@@ -56,7 +55,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def inspect(body: bytes, kind: str, *, max_items: int) -> Inspected:
+def inspect(body: bytes, route: RelayRoute, *, max_items: int) -> Inspected:
     """Parse and check the few fields that matter; raise ``ApiError`` (400) naming the field."""
     if not body:
         raise ApiError(400, "The request body is empty; send a JSON object.", "invalid_json")
@@ -79,7 +78,7 @@ def inspect(body: bytes, kind: str, *, max_items: int) -> Inspected:
         stream = False
     if not isinstance(stream, bool):
         raise bad_field("stream", "a boolean")
-    if kind not in CHUNKED_STREAMS and kind != "responses" and stream:
+    if stream and not route.streams:
         raise bad_field("stream", "false for this endpoint")
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
@@ -109,7 +108,7 @@ def inspect(body: bytes, kind: str, *, max_items: int) -> Inspected:
         raise bad_field("stream_options", "an object")
     wants_usage = bool(options and options.get("include_usage") is True)
     forward = body
-    if stream and kind in CHUNKED_STREAMS and not wants_usage:
+    if stream and route.chunked and not wants_usage:
         forward = with_include_usage(body, data)
     return Inspected(model, stream, wants_usage, max_tokens, n, forward, forward is not body, data)
 

@@ -33,26 +33,19 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from django.conf import settings
-from django.http import HttpResponse, StreamingHttpResponse
-from django.http.response import HttpResponseBase
 
-from gateway import limits, payload, routing
-from gateway.errors import ApiError, model_not_found
+from gateway import limits, payload, responses, routing
+from gateway.errors import ApiError, error_response, model_not_found
 from gateway.keys import KeyInfo
 from gateway.models import UsageRecord
+from gateway.responses import Response
+from gateway.routes import RelayRoute
 from gateway.upstreams import upstreams
 from gateway.usage import Usage, recorder
 from llmgw_site import metrics
 
 logger = logging.getLogger(__name__)
 
-PATHS = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "embeddings": "/v1/embeddings",
-    "responses": "/v1/responses",
-    "rerank": "/v1/rerank",
-}
 # Answers that say "not now, try elsewhere" rather than "this request is wrong".
 RETRYABLE = frozenset({429, 502, 503, 504})
 # A status no response carries, for the usage rows of clients that left before an answer.
@@ -99,7 +92,7 @@ class Deadlines:
 class Exchange:
     """One request's state from authentication to its usage row."""
 
-    kind: str
+    api_route: RelayRoute  # the /v1 route the request came in on
     key: KeyInfo
     usage: Usage
     clock_start: float
@@ -178,30 +171,16 @@ def new_request_id() -> str:
     return f"req_{_id_prefix[1]}{next(_id_counter):x}"
 
 
-def error_response(error: ApiError, request_id: str | None = None) -> HttpResponse:
-    body = error.body()
-    response = HttpResponse(
-        body,
-        status=error.status,
-        content_type="application/json",
-        headers=error.response_headers(),
-    )
-    response["Content-Length"] = str(len(body))
-    if request_id:
-        response["X-Request-Id"] = request_id
-    return response
-
-
 def _start_background() -> None:
     recorder.ensure_running()
 
 
-async def relay(body: bytes, key: KeyInfo, kind: str, clock_start: float) -> HttpResponseBase:
+async def relay(body: bytes, key: KeyInfo, api_route: RelayRoute, clock_start: float) -> Response:
     """The request path after authentication, for one ``/v1`` call that goes to an engine."""
     _start_background()
     request_id = new_request_id()
-    usage = Usage(request_id, key.id, key.user_id, "", kind, time.time())
-    ex = Exchange(kind, key, usage, clock_start)
+    usage = Usage(request_id, key.id, key.user_id, "", api_route.kind, time.time())
+    ex = Exchange(api_route, key, usage, clock_start)
     try:
         return await _serve(ex, body)
     except ApiError as error:
@@ -226,8 +205,8 @@ def _reason_for(error: ApiError) -> str:
     return Reason.ERROR
 
 
-async def _serve(ex: Exchange, raw: bytes) -> HttpResponseBase:
-    body = payload.inspect(raw, ex.kind, max_items=int(settings.LLMGW_MAX_ITEMS))
+async def _serve(ex: Exchange, raw: bytes) -> Response:
+    body = payload.inspect(raw, ex.api_route, max_items=int(settings.LLMGW_MAX_ITEMS))
     ex.body = body
     ex.usage.model = body.model
     ex.usage.stream = body.stream
@@ -254,27 +233,12 @@ async def _serve(ex: Exchange, raw: bytes) -> HttpResponseBase:
         if body.stream:
             # Headers go out now so keep-alive comments can hold the stream open while the
             # model starts; anything that fails later ends the stream with an error event.
-            return _sse_response(ex, _held_stream(ex))
+            return responses.event_stream(_held_stream(ex), ex.request_id)
         ex.route = await _wait_for_activation(ex, route)
     opened = await _open(ex)
     if body.stream and opened.response.status == 200:
-        return _sse_response(ex, _relay_stream(ex, opened))
+        return responses.event_stream(_relay_stream(ex, opened), ex.request_id)
     return await _relay_body(ex, opened)
-
-
-def _sse_response(ex: Exchange, content: AsyncGenerator[bytes]) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(
-        content,
-        content_type="text/event-stream",
-        headers={
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            "X-Request-Id": ex.request_id,
-        },
-    )
-    # gateway.asgi.GatewayHandler sends this generator's chunks itself (see send_response).
-    response.llmgw_stream = content  # type: ignore[attr-defined]
-    return response
 
 
 # --- activation -----------------------------------------------------------------------------
@@ -460,7 +424,7 @@ async def _attempt(
     try:
         async with asyncio.timeout(deadlines.first_byte):
             response = await client().post(
-                upstream.base_url + PATHS[ex.kind],
+                upstream.base_url + ex.api_route.path,
                 data=ex.body.forward_body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(
@@ -530,20 +494,19 @@ async def _read_rest(opened: Opened) -> bytes:
     return opened.first + rest
 
 
-async def _relay_body(ex: Exchange, opened: Opened) -> HttpResponse:
+async def _relay_body(ex: Exchange, opened: Opened) -> Response:
     body = await _read_rest(opened)
     response = opened.response
     status = response.status
     tokens, reason = payload.usage_of_body(body) if status == 200 else (None, "")
     ex.finish(status, reason if status == 200 else Reason.UPSTREAM_ERROR, tokens)
-    relayed = HttpResponse(
+    content_type = response.headers.get("Content-Type")
+    return responses.whole(
+        status,
         body,
-        status=status,
-        content_type=response.headers.get("Content-Type", "application/json"),
+        content_type=content_type.encode("latin-1") if content_type else responses.JSON,
+        request_id=ex.request_id,
     )
-    relayed["Content-Length"] = str(len(body))
-    relayed["X-Request-Id"] = ex.request_id
-    return relayed
 
 
 async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
@@ -551,7 +514,7 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
     assert ex.body is not None and ex.route is not None
     response = opened.response
     sse = payload.SseFilter(
-        hide_usage_chunk=not ex.body.client_wants_usage and ex.kind in payload.CHUNKED_STREAMS
+        hide_usage_chunk=not ex.body.client_wants_usage and ex.api_route.chunked
     )
     idle = Deadlines.of(ex.route).idle
     failure: ApiError | None = None
