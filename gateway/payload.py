@@ -6,6 +6,11 @@ limits and to answer a wrong type with a 400 that names the field). The one chan
 a stream whose client did not ask for ``stream_options.include_usage`` gets it spliced in,
 because usage is only reported on streams that ask; the extra chunk is hidden again on the way
 back (``SseFilter``).
+
+JSON is parsed with orjson (request bodies, usage events), measured at a fifth of the standard
+library's CPU on a chat body. orjson refuses a few documents that Python's json accepts
+(integers over 64 bits, ``NaN``, lone surrogates, non-UTF-8 encodings); on any refusal the
+standard library decides, so a client sees exactly the answers it saw before.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import orjson
 
 from gateway.errors import ApiError, bad_field
 from gateway.routes import RelayRoute
@@ -25,6 +32,17 @@ _USAGE_KEY = b'"usage"'
 # parse (measured: parsing every event was three quarters of the relay's CPU per event).
 _USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+_DECODER = json.JSONDecoder()
+
+
+def loads(data: bytes) -> Any:
+    """Parse JSON as Python's json module would, at orjson's speed where orjson agrees.
+
+    Raises what ``json.loads`` raises (``ValueError``, ``RecursionError``, ...)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 @dataclass(frozen=True)
@@ -60,7 +78,7 @@ def inspect(body: bytes, route: RelayRoute, *, max_items: int) -> Inspected:
     if not body:
         raise ApiError(400, "The request body is empty; send a JSON object.", "invalid_json")
     try:
-        data = json.loads(body)
+        data = loads(body)
     except RecursionError:
         raise ApiError(400, "The JSON body is nested too deeply.", "invalid_json") from None
     except (ValueError, UnicodeDecodeError):
@@ -169,13 +187,13 @@ def usage_of_body(body: bytes) -> tuple[Tokens | None, str]:
     colon = body.find(b":", at + len(_USAGE_KEY))
     if colon >= 0 and not body[at + len(_USAGE_KEY) : colon].strip():
         try:
-            usage, _ = json.JSONDecoder().raw_decode(body[colon + 1 :].decode().lstrip())
+            usage, _ = _DECODER.raw_decode(body[colon + 1 :].decode().lstrip())
         except (ValueError, UnicodeDecodeError):
             usage = None
         if isinstance(usage, dict):
             return tokens_of(usage), finish
     try:
-        data = json.loads(body)
+        data = loads(body)
     except (ValueError, RecursionError, UnicodeDecodeError):
         return None, finish
     if isinstance(data, dict):
@@ -259,7 +277,7 @@ class SseFilter:
             line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")
         )
         try:
-            data = json.loads(payload)
+            data = loads(payload)
         except (ValueError, RecursionError, UnicodeDecodeError):
             return False
         if not isinstance(data, dict):

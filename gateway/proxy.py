@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 # Answers that say "not now, try elsewhere" rather than "this request is wrong".
 RETRYABLE = frozenset({429, 502, 503, 504})
+# What every upstream request carries besides its X-Request-Id.
+_UPSTREAM_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+_UPSTREAM_STREAM_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 # A status no response carries, for the usage rows of clients that left before an answer.
 CLIENT_CLOSED = 499
 Reason = UsageRecord.FinishReason
@@ -56,13 +60,22 @@ _session: aiohttp.ClientSession | None = None
 _session_loop: asyncio.AbstractEventLoop | None = None
 
 
+# Idle pooled connections are dropped after this many seconds: sooner than engines drop them
+# (uvicorn, under vLLM and SGLang, closes an idle keep-alive connection after 5 s), so a
+# request never goes out on a connection the engine is closing at that moment.
+KEEPALIVE_S = 4.0
+
+
 def client() -> aiohttp.ClientSession:
-    """This process's upstream session (one per event loop), with pooled keep-alive
-    connections and no overall timeout: the deadlines below are per phase."""
+    """This process's upstream session (one per event loop): pooled keep-alive connections
+    (aiohttp sets ``TCP_NODELAY`` on each), no cap on their number (the engines bound their
+    own concurrency; a cap here would queue requests out of sight of the deadlines), host
+    names resolved once a minute rather than per request (replicas are addresses anyway),
+    and no overall timeout: the deadlines below are per phase."""
     global _session, _session_loop
     loop = asyncio.get_running_loop()
     if _session is None or _session_loop is not loop or _session.closed:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
         _session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None),
@@ -78,14 +91,21 @@ class Deadlines:
     connect: float
     first_byte: float
     idle: float
+    upstream_timeout: aiohttp.ClientTimeout  # the connect deadline, as aiohttp takes it
 
     @classmethod
     def of(cls, route: routing.Route) -> Deadlines:
-        return cls(
+        return _deadlines(
             route.connect_timeout_s or float(settings.LLMGW_CONNECT_TIMEOUT),
             route.first_byte_timeout_s or float(settings.LLMGW_FIRST_BYTE_TIMEOUT),
             route.stream_idle_timeout_s or float(settings.LLMGW_STREAM_IDLE_TIMEOUT),
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _deadlines(connect: float, first_byte: float, idle: float) -> Deadlines:
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect)
+    return Deadlines(connect, first_byte, idle, timeout)
 
 
 @dataclass
@@ -415,23 +435,27 @@ async def _attempt(
     """One try. A retryable failure comes back as (error, seconds to wait or None)."""
     assert ex.body is not None
     ex.hold(upstream)
-    headers = {
-        "Content-Type": "application/json",
-        "Accept": "text/event-stream" if ex.body.stream else "application/json",
-        "X-Request-Id": ex.request_id,
-    }
+    headers = _UPSTREAM_STREAM_HEADERS if ex.body.stream else _UPSTREAM_HEADERS
     response: aiohttp.ClientResponse | None = None
     try:
         async with asyncio.timeout(deadlines.first_byte):
             response = await client().post(
                 upstream.base_url + ex.api_route.path,
                 data=ex.body.forward_body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, connect=deadlines.connect, sock_connect=deadlines.connect
-                ),
+                headers={**headers, "X-Request-Id": ex.request_id},
+                timeout=deadlines.upstream_timeout,
+                # An engine never redirects; an upstream that does is not followed anywhere.
+                allow_redirects=False,
             )
             status = response.status
+            if 300 <= status < 400:
+                response.close()
+                ex.drop_hold()
+                raise ApiError(
+                    502,
+                    f"The upstream answered {status} (redirects are not followed).",
+                    "upstream_redirect",
+                )
             if status in RETRYABLE:
                 retry_after = _retry_after(response)
                 response.close()
