@@ -62,7 +62,7 @@ _session_loop: asyncio.AbstractEventLoop | None = None
 
 # Idle pooled connections are dropped after this many seconds: sooner than engines drop them
 # (uvicorn, under vLLM and SGLang, closes an idle keep-alive connection after 5 s), so a
-# request never goes out on a connection the engine is closing at that moment.
+# request is not sent down a connection the engine is closing at that moment.
 KEEPALIVE_S = 4.0
 
 
@@ -78,6 +78,9 @@ def client() -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=KEEPALIVE_S)
         _session = aiohttp.ClientSession(
             connector=connector,
+            # One session serves every client: a cookie an upstream sets for one request must
+            # not ride along on another client's.
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
