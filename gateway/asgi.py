@@ -36,7 +36,6 @@ from gateway.routes import BY_PATH, RelayRoute
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class BodyTooLarge(Exception):
@@ -127,8 +126,10 @@ async def _relay(
 
     async def listen() -> None:
         nonlocal hung_up
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        # A server that fails receive() on a dead connection says the same as a disconnect.
+        with contextlib.suppress(Exception):
+            while (await receive())["type"] != "http.disconnect":
+                pass
         # After the answer is complete, servers report a disconnect too: that one is not news.
         if not finished:
             hung_up = True

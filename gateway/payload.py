@@ -9,8 +9,9 @@ back (``SseFilter``).
 
 JSON is parsed with orjson (request bodies, usage events), measured at a fifth of the standard
 library's CPU on a chat body. orjson refuses a few documents that Python's json accepts
-(integers over 64 bits, ``NaN``, lone surrogates, non-UTF-8 encodings); on any refusal the
-standard library decides, so a client sees exactly the answers it saw before.
+(``NaN``, lone surrogates, non-UTF-8 encodings) and reads integers past 64 bits as floats; on
+a refusal, or such a float where an integer is read, the standard library decides, so a
+client sees exactly the answers it saw before.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _USAGE_KEY = b'"usage"'
 _USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _DECODER = json.JSONDecoder()
+_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n")
 
 
 def loads(data: bytes) -> Any:
@@ -85,6 +87,9 @@ def inspect(body: bytes, route: RelayRoute, *, max_items: int) -> Inspected:
         raise ApiError(400, "The request body is not valid JSON.", "invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.", "invalid_json")
+    if any(isinstance(data.get(name), float) for name in _INTEGER_FIELDS):
+        # orjson reads an integer past 64 bits as a float; Python's json keeps it an integer.
+        data = json.loads(body)
 
     model = data.get("model")
     if model is None:

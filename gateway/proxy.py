@@ -17,7 +17,6 @@ generating.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import os
@@ -80,16 +79,11 @@ class Deadlines:
 
     @classmethod
     def of(cls, route: routing.Route) -> Deadlines:
-        return _deadlines(
+        return cls(
             route.connect_timeout_s or float(settings.LLMGW_CONNECT_TIMEOUT),
             route.first_byte_timeout_s or float(settings.LLMGW_FIRST_BYTE_TIMEOUT),
             route.stream_idle_timeout_s or float(settings.LLMGW_STREAM_IDLE_TIMEOUT),
         )
-
-
-@functools.lru_cache(maxsize=256)
-def _deadlines(connect: float, first_byte: float, idle: float) -> Deadlines:
-    return Deadlines(connect, first_byte, idle)
 
 
 @dataclass

@@ -93,6 +93,20 @@ def test_bodies_that_are_not_a_json_object_are_400(raw: bytes) -> None:
     assert error.value.status == 400
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","max_tokens":123456789012345678901234567890}',  # past 64 bits
+        b'{"model":"m","temperature":NaN}',
+        b'{"model":"m","messages":[{"role":"user","content":"\\ud800"}]}',  # lone surrogate
+        '{"model":"m"}'.encode("utf-16"),
+    ],
+)
+def test_json_that_python_accepts_is_accepted_as_before(raw: bytes) -> None:
+    seen = payload.inspect(raw, CHAT, max_items=100)
+    assert seen.model == "m" and seen.forward_body is raw
+
+
 def test_embeddings_cannot_stream() -> None:
     with pytest.raises(ApiError) as error:
         inspect({"model": "m", "stream": True, "input": "x"}, "embeddings")
