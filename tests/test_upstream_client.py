@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -65,6 +65,30 @@ def answer(body: bytes, *extra: bytes) -> bytes:
     return head + b"".join(extra) + b"\r\n" + body
 
 
+def answering(raw: bytes, *, then_wait_for_eof: bool = False) -> Handler:
+    """An upstream that answers every request on a connection with ``raw``."""
+
+    async def engine(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
+    ) -> None:
+        while True:
+            await up.read_request(reader)
+            writer.write(raw)
+            await writer.drain()
+            if then_wait_for_eof:
+                await reader.read()
+                return
+
+    return engine
+
+
+@pytest.fixture
+def pool() -> Iterator[Pool]:
+    connections = Pool(keepalive_s=30)
+    yield connections
+    connections.close()
+
+
 async def post(pool: Pool, url: str, body: bytes = b'{"x":1}') -> tuple[int, bytes]:
     response = await pool.post(
         url, "/v1/chat/completions", body, b"X-Request-Id: r1\r\n", connect_timeout=5
@@ -74,29 +98,19 @@ async def post(pool: Pool, url: str, body: bytes = b'{"x":1}') -> tuple[int, byt
     return response.status, data
 
 
-async def test_answers_come_back_whole_over_one_kept_alive_connection() -> None:
-    async def engine(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
-    ) -> None:
-        while True:
-            request = await up.read_request(reader)
-            writer.write(answer(b'{"echo":%d}' % len(request)))
-            await writer.drain()
-
-    pool = Pool(keepalive_s=30)
-    async with upstream(engine) as up:
+async def test_answers_come_back_whole_over_one_kept_alive_connection(pool: Pool) -> None:
+    async with upstream(answering(answer(b'{"ok":true}'))) as up:
         answers = [await post(pool, up.url, b'{"n":%d}' % i) for i in range(3)]
-    assert [status for status, _ in answers] == [200, 200, 200]
+    assert answers == [(200, b'{"ok":true}')] * 3
     assert up.connections == 1
     first = up.requests[0]
     assert first.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
     assert b"\r\nHost: 127.0.0.1:%d\r\n" % up.port in first
     assert b"\r\nX-Request-Id: r1\r\n" in first
     assert first.endswith(b'Content-Length: 7\r\n\r\n{"n":0}')
-    pool.close()
 
 
-async def test_a_chunked_stream_is_handed_over_as_each_piece_arrives() -> None:
+async def test_a_chunked_stream_is_handed_over_as_each_piece_arrives(pool: Pool) -> None:
     next_piece = asyncio.Event()
 
     async def engine(
@@ -113,7 +127,6 @@ async def test_a_chunked_stream_is_handed_over_as_each_piece_arrives() -> None:
         await writer.drain()
         await reader.read()
 
-    pool = Pool(keepalive_s=30)
     async with upstream(engine) as up:
         response = await pool.post(up.url, "/v1/completions", b"{}", b"", connect_timeout=5)
         assert await response.read_piece() == b"data: 1\n\n"
@@ -123,10 +136,11 @@ async def test_a_chunked_stream_is_handed_over_as_each_piece_arrives() -> None:
         assert await response.read_piece() == b""
         assert response.complete
         response.release()
-    pool.close()
 
 
-async def test_a_body_without_a_length_ends_with_the_connection_which_is_not_reused() -> None:
+async def test_a_body_without_a_length_ends_with_the_connection_which_is_not_reused(
+    pool: Pool,
+) -> None:
     async def engine(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
     ) -> None:
@@ -135,32 +149,23 @@ async def test_a_body_without_a_length_ends_with_the_connection_which_is_not_reu
         await writer.drain()
         writer.write(b'"of it"}')
 
-    pool = Pool(keepalive_s=30)
     async with upstream(engine) as up:
         assert await post(pool, up.url) == (200, b'{"all":"of it"}')
         assert await post(pool, up.url) == (200, b'{"all":"of it"}')
     assert up.connections == 2
-    pool.close()
 
 
-async def test_an_answer_saying_connection_close_is_not_reused() -> None:
-    async def engine(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
-    ) -> None:
-        await up.read_request(reader)
-        writer.write(answer(b"{}", b"Connection: close\r\n"))
-        await writer.drain()
-        await reader.read()
-
-    pool = Pool(keepalive_s=30)
-    async with upstream(engine) as up:
+async def test_an_answer_saying_connection_close_is_not_reused(pool: Pool) -> None:
+    closing = answer(b"{}", b"Connection: close\r\n")
+    async with upstream(answering(closing, then_wait_for_eof=True)) as up:
         for _ in range(2):
             assert await post(pool, up.url) == (200, b"{}")
     assert up.connections == 2
-    pool.close()
 
 
-async def test_a_reused_connection_closed_without_an_answer_is_dropped_a_fresh_one_broken() -> None:
+async def test_a_reused_connection_closed_without_an_answer_is_dropped_a_fresh_one_broken(
+    pool: Pool,
+) -> None:
     async def engine(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
     ) -> None:
@@ -170,39 +175,28 @@ async def test_a_reused_connection_closed_without_an_answer_is_dropped_a_fresh_o
             await writer.drain()
             await up.read_request(reader)  # the second request on this connection: no answer
 
-    pool = Pool(keepalive_s=30)
     async with upstream(engine) as up:
         assert await post(pool, up.url) == (200, b"{}")
         with pytest.raises(Dropped):
             await post(pool, up.url)
         with pytest.raises(Broken):
             await post(pool, up.url)  # a new connection, closed without an answer
-    pool.close()
 
 
-async def test_a_port_nobody_listens_on_is_unreachable() -> None:
-    pool = Pool(keepalive_s=30)
+async def test_a_port_nobody_listens_on_is_unreachable(pool: Pool) -> None:
     with pytest.raises(Unreachable):
         await post(pool, f"http://127.0.0.1:{free_port()}")
 
 
-async def test_an_answer_that_is_not_http_is_broken() -> None:
-    async def engine(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
-    ) -> None:
-        await up.read_request(reader)
-        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
-        await writer.drain()
-        await reader.read()
-
-    pool = Pool(keepalive_s=30)
-    async with upstream(engine) as up:
+async def test_an_answer_that_is_not_http_is_broken(pool: Pool) -> None:
+    async with upstream(answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n", then_wait_for_eof=True)) as up:
         with pytest.raises(Broken):
             await post(pool, up.url)
-    pool.close()
 
 
-async def test_a_client_that_does_not_read_stops_the_upstream_instead_of_buffering() -> None:
+async def test_a_client_that_does_not_read_stops_the_upstream_instead_of_buffering(
+    pool: Pool,
+) -> None:
     size = 64 * HIGH_WATER
     blocked = asyncio.Event()
 
@@ -222,7 +216,6 @@ async def test_a_client_that_does_not_read_stops_the_upstream_instead_of_bufferi
             await writer.drain()
         await reader.read()
 
-    pool = Pool(keepalive_s=30)
     async with upstream(engine) as up:
         response = await pool.post(up.url, "/v1/completions", b"{}", b"", connect_timeout=5)
         async with asyncio.timeout(30):
@@ -232,20 +225,11 @@ async def test_a_client_that_does_not_read_stops_the_upstream_instead_of_bufferi
         received = len(await response.read())
         response.release()
     assert received == size
-    pool.close()
 
 
 async def test_idle_connections_past_the_keepalive_are_not_reused() -> None:
-    async def engine(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
-    ) -> None:
-        while True:
-            await up.read_request(reader)
-            writer.write(answer(b"{}"))
-            await writer.drain()
-
     pool = Pool(keepalive_s=0.0)
-    async with upstream(engine) as up:
+    async with upstream(answering(answer(b"{}"))) as up:
         for _ in range(2):
             assert await post(pool, up.url) == (200, b"{}")
     assert up.connections == 2
