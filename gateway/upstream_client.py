@@ -54,23 +54,30 @@ class Broken(UpstreamError):
 
 @dataclass(frozen=True)
 class Origin:
+    """Where a base URL's requests go, and what they carry of it."""
+
     scheme: str
     host: str
     port: int
     host_header: bytes
+    path_prefix: bytes  # a static endpoint may sit under a path: https://host/openai
 
     @classmethod
     def of(cls, base_url: str) -> Origin:
-        parts = urlsplit(base_url)
-        scheme = parts.scheme or "http"
-        host = parts.hostname or ""
-        port = parts.port or (443 if scheme == "https" else 80)
-        default = port == (443 if scheme == "https" else 80)
-        shown = f"[{host}]" if ":" in host else host
-        if not shown.isascii():
-            shown = shown.encode("idna").decode("ascii")
-        header = shown if default else f"{shown}:{port}"
-        return cls(scheme, host, port, header.encode("ascii"))
+        try:
+            parts = urlsplit(base_url)
+            scheme = parts.scheme or "http"
+            default_port = 443 if scheme == "https" else 80
+            port = parts.port or default_port
+            host = parts.hostname or ""
+            shown = f"[{host}]" if ":" in host else host
+            if not shown.isascii():
+                shown = shown.encode("idna").decode("ascii")
+            header = shown if port == default_port else f"{shown}:{port}"
+            prefix = parts.path.rstrip("/").encode("ascii")
+        except (ValueError, UnicodeError) as exc:
+            raise Unreachable(f"not a usable upstream URL ({exc})") from None
+        return cls(scheme, host, port, header.encode("ascii"), prefix)
 
 
 class Response:
@@ -211,6 +218,12 @@ class _Connection(asyncio.Protocol):
 
     # --- httptools callbacks ----------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        # One answer per request: a second one (or bytes after the first) means the stream
+        # cannot be trusted. Raising here makes feed_data fail, which drops the connection.
+        if self._response is None or self._response.status:
+            raise Broken("the upstream sent an answer nobody asked for")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._response is not None:
             self._response.headers[name.lower()] = value
@@ -314,7 +327,8 @@ class Pool:
         if origin is None:
             origin = self._origins[base_url] = Origin.of(base_url)
         connection = self._reuse(origin) or await self._connect(origin, connect_timeout)
-        head = b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
+        head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
+            origin.path_prefix,
             path.encode(),
             origin.host_header,
             headers,

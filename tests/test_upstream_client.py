@@ -234,3 +234,20 @@ async def test_idle_connections_past_the_keepalive_are_not_reused() -> None:
             assert await post(pool, up.url) == (200, b"{}")
     assert up.connections == 2
     pool.close()
+
+
+async def test_a_base_url_with_a_path_keeps_it_in_front_of_the_route(pool: Pool) -> None:
+    async with upstream(answering(answer(b"{}"))) as up:
+        assert await post(pool, up.url + "/openai") == (200, b"{}")
+    assert up.requests[0].startswith(b"POST /openai/v1/chat/completions HTTP/1.1\r\n")
+
+
+async def test_bytes_after_a_complete_answer_drop_the_connection(pool: Pool) -> None:
+    async with (
+        upstream(answering(answer(b"{}") + answer(b"{}"), then_wait_for_eof=True)) as up,
+        asyncio.timeout(10),  # a connection wrongly trusted again would wait forever
+    ):
+        with contextlib.suppress(Broken):
+            await post(pool, up.url)
+        assert await post(pool, up.url) == (200, b"{}")
+    assert up.connections == 2  # the first connection was not trusted again
