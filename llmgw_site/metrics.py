@@ -164,7 +164,9 @@ class _Tally:
 
 
 _tallies: dict[tuple[str, int], _Tally] = {}
-_write_scheduled = False
+# The loop that will write the tally (None: no write is due). A loop that closes before its
+# write came due (a test's) must not stop every later loop from scheduling one.
+_writer_loop: asyncio.AbstractEventLoop | None = None
 
 
 def observe_request(
@@ -182,7 +184,7 @@ def observe_request(
     On an event loop this only adds to the tally, which the loop writes within
     ``FLUSH_EVERY_S``; anywhere else (commands, tests) it is written at once.
     """
-    global _write_scheduled
+    global _writer_loop
     tally = _tallies.get((model, status))
     if tally is None:
         tally = _tallies[(model, status)] = _Tally()
@@ -194,22 +196,21 @@ def observe_request(
     if ttft_s is not None:
         tally.ttft.add(max(0.0, ttft_s))
     tally.duration.add(max(0.0, duration_s))
-    if _write_scheduled:
-        return
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         write_tallies()
         return
-    loop.call_later(FLUSH_EVERY_S, write_tallies)
-    _write_scheduled = True
+    if _writer_loop is not loop:
+        loop.call_later(FLUSH_EVERY_S, write_tallies)
+        _writer_loop = loop
 
 
 def write_tallies() -> None:
     """Write the request tally to the shared files. Only the thread that observes calls this
     (the event loop, or a caller without one), so no update can slip between read and reset."""
-    global _tallies, _write_scheduled
-    tallies, _tallies, _write_scheduled = _tallies, {}, False
+    global _tallies, _writer_loop
+    tallies, _tallies, _writer_loop = _tallies, {}, None
     for (model, status), tally in tallies.items():
         labels = (_model(model), str(status))
         REQUESTS.labels(*labels).inc(tally.requests)

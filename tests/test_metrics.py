@@ -3,6 +3,7 @@ store, and accepted by ``promtool check metrics`` on a scrape taken while traffi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -183,6 +184,30 @@ async def test_requests_on_an_event_loop_are_tallied_then_written_as_observe_wou
             assert value(text, f"{name}_bucket", le=str(bound), **labels) == expected, bound
         assert value(text, f"{name}_bucket", le="+Inf", **labels) == len(seconds)
         assert value(text, f"{name}_sum", **labels) == pytest.approx(sum(seconds))
+
+
+def test_a_loop_gone_before_its_write_does_not_stop_the_next_loops_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = f"m-{uuid.uuid4().hex[:8]}"
+
+    async def observe() -> None:
+        metrics.observe_request(
+            model, 200, prompt_tokens=1, completion_tokens=1, ttft_s=0.1, duration_s=0.1
+        )
+
+    monkeypatch.setattr(metrics, "FLUSH_EVERY_S", 3600.0)
+    asyncio.run(observe())  # tallied; its loop is gone before the write comes due
+
+    async def observe_and_wait_for_the_write() -> None:
+        await observe()
+        async with asyncio.timeout(30):
+            while metrics._writer_loop is not None:
+                await asyncio.sleep(0)
+
+    monkeypatch.setattr(metrics, "FLUSH_EVERY_S", 0.0)
+    asyncio.run(observe_and_wait_for_the_write())
+    assert value(our_samples(), "llmgw_requests_total", model=model, status="200") == 2
 
 
 @pytest.mark.django_db
