@@ -24,9 +24,9 @@ from gateway.asgi import V1App  # noqa: E402
 from gateway.usage import recorder  # noqa: E402
 from llmgw_site import metrics  # noqa: E402
 
-if (
-    "daphne.server" in sys.modules
-):  # daphne is the server: it spools bodies before the app sees them
+# Where daphne serves (it spools a whole body before the application sees any of it), /v1
+# bodies get a guard inside daphne itself; other servers never load Twisted.
+if "daphne.server" in sys.modules:
     from gateway.daphne_guard import install_daphne_body_limit
 
     install_daphne_body_limit()
