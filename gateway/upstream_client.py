@@ -334,7 +334,13 @@ class Pool:
             headers,
             len(body),
         )
-        response = connection.send(head, body)
+        try:
+            response = connection.send(head, body)
+        except (OSError, RuntimeError):  # closed under us (uvloop raises on a closed handle)
+            connection._abort()
+            if connection.used:
+                raise Dropped("the upstream closed an idle connection") from None
+            raise Broken("the connection closed as the request was sent") from None
         try:
             await response._head
         except BaseException:
@@ -347,7 +353,8 @@ class Pool:
         now = time.monotonic()
         while idle:
             connection = idle.pop()
-            if connection.closed:
+            transport = connection.transport
+            if connection.closed or transport is None or transport.is_closing():
                 continue
             if now - connection.idle_since >= self.keepalive_s:
                 connection._abort()
