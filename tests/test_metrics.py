@@ -147,13 +147,11 @@ def test_observed_requests_show_as_counters_and_histograms_per_model_and_status(
 
 
 def our_samples() -> str:
-    """This machine's exposition of the request path's metrics (no store involved)."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.multiprocess import MultiProcessCollector
+    """This process's own values of the request path's metrics, as written so far (read from
+    the process, not the shared folder, which other tests' processes may reset)."""
+    from prometheus_client import REGISTRY, generate_latest
 
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry)
-    return generate_latest(registry).decode()
+    return generate_latest(REGISTRY).decode()
 
 
 async def test_requests_on_an_event_loop_are_tallied_then_written_as_observe_would(
