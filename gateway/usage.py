@@ -78,8 +78,10 @@ class Usage:
     duration_ms: float = 0.0
     finish_reason: str = ""
 
-    def values(self, now: datetime) -> tuple[Any, ...]:
-        """The row for ``INSERT_SQL``, in ``COLUMNS`` order, adapted for this connection."""
+    def values(self, created_at: Any) -> tuple[Any, ...]:
+        """The row for ``INSERT_SQL``, in ``COLUMNS`` order, adapted for this connection;
+        ``created_at`` comes adapted already (one value serves a whole batch: adapting it per
+        row was half of this function's 8 us on SQLite, measured)."""
         adapt = connection.ops.adapt_datetimefield_value
         return (
             self.request_id,
@@ -97,7 +99,7 @@ class Usage:
             self.duration_ms,
             self.finish_reason,
             adapt(datetime.fromtimestamp(self.started_at, tz=UTC)),
-            adapt(now),
+            created_at,
         )
 
 
@@ -149,16 +151,16 @@ def store_rows(records: Iterable[Usage]) -> int:
     records = list(records)
     if not records:
         return 0
-    now = timezone.now()
+    created_at = connection.ops.adapt_datetimefield_value(timezone.now())
     try:
         with transaction.atomic(), connection.cursor() as cursor:
-            cursor.executemany(INSERT_SQL, [r.values(now) for r in records])
+            cursor.executemany(INSERT_SQL, [r.values(created_at) for r in records])
     except IntegrityError:
         # A key or user deleted while its requests were queued: keep the rows, as the
         # foreign keys' SET_NULL would have, instead of failing the batch forever.
         records = _without_deleted_owners(records)
         with transaction.atomic(), connection.cursor() as cursor:
-            cursor.executemany(INSERT_SQL, [r.values(now) for r in records])
+            cursor.executemany(INSERT_SQL, [r.values(created_at) for r in records])
     keys = {r.api_key_id for r in records if r.api_key_id is not None}
     if keys:
         # Coalesced here rather than written by each request.
