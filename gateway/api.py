@@ -5,22 +5,24 @@ hands the request to ``gateway.proxy``; the OpenAPI document it publishes is at
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db.models import Count, Sum
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security.http import HttpBearer
-from pydantic import BaseModel
 
 from gateway import dbthread, keys, limits, proxy, schemas
-from gateway.errors import ApiError, invalid_key
+from gateway.errors import ApiError, error_response, invalid_key
 from gateway.keys import KeyInfo
 from gateway.models import UsageRecord
+from gateway.responses import Response
+from gateway.routes import RELAY_ROUTES, RelayRoute
 from gateway.upstreams import upstreams
 
 STARTED = int(time.time())
@@ -43,10 +45,10 @@ class GatewayApi(NinjaAPI):
     def get_openapi_schema(self, *args: Any, **kwargs: Any) -> Any:
         schema = super().get_openapi_schema(*args, **kwargs)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in _REQUEST_MODELS.values():
-            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for route in RELAY_ROUTES:
+            body = route.request.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
-            components[model.__name__] = body
+            components[route.request.__name__] = body
         return schema
 
 
@@ -60,13 +62,6 @@ api = GatewayApi(
     openapi_url="/openapi.json",
 )
 
-_REQUEST_MODELS: dict[str, type[BaseModel]] = {
-    "chat": schemas.ChatCompletionRequest,
-    "completions": schemas.CompletionRequest,
-    "embeddings": schemas.EmbeddingRequest,
-    "responses": schemas.ResponsesRequest,
-    "rerank": schemas.RerankRequest,
-}
 _ERRORS: dict[int, Any] = {
     code: schemas.ErrorResponse for code in (400, 401, 403, 404, 413, 429, 502, 503, 504)
 }
@@ -85,23 +80,26 @@ _SSE_EVENT: dict[str, Any] = {
 }
 
 
-def _body_doc(kind: str, answer: type[BaseModel] | None = None) -> dict[str, Any]:
+def _body_doc(route: RelayRoute) -> dict[str, Any]:
     """The request body ninja cannot see, and for streaming routes both forms of the answer."""
-    name = _REQUEST_MODELS[kind].__name__
     extra: dict[str, Any] = {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+            "content": {
+                "application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{route.request.__name__}"}
+                }
+            },
         }
     }
-    if answer is not None:
+    if route.streams:
         extra["responses"] = {
             "200": {
                 "description": 'The result; with "stream": true, server-sent events ending in '
                 "`data: [DONE]`.",
                 "content": {
                     "application/json": {
-                        "schema": {"$ref": f"#/components/schemas/{answer.__name__}"}
+                        "schema": {"$ref": f"#/components/schemas/{route.response.__name__}"}
                     },
                     "text/event-stream": {"schema": _SSE_EVENT},
                 },
@@ -110,29 +108,40 @@ def _body_doc(kind: str, answer: type[BaseModel] | None = None) -> dict[str, Any
     return extra
 
 
+def to_django(response: Response) -> HttpResponseBase:
+    """The relay's answer as a Django response, for the ninja operations."""
+    answer: HttpResponseBase
+    if response.stream is not None:
+        answer = StreamingHttpResponse(response.stream, status=response.status)
+    else:
+        answer = HttpResponse(response.body, status=response.status)
+    for name, value in response.headers:
+        answer[name.decode("latin-1")] = value.decode("latin-1")
+    return answer
+
+
 @api.exception_handler(AuthenticationError)
-def _unauthenticated(request: HttpRequest, exc: Exception) -> HttpResponse:
-    return proxy.error_response(invalid_key())
+def _unauthenticated(request: HttpRequest, exc: Exception) -> HttpResponseBase:
+    return to_django(error_response(invalid_key()))
 
 
 @api.exception_handler(ApiError)
-def _api_error(request: HttpRequest, exc: ApiError) -> HttpResponse:
-    return proxy.error_response(exc)
+def _api_error(request: HttpRequest, exc: ApiError) -> HttpResponseBase:
+    return to_django(error_response(exc))
 
 
 @api.exception_handler(ValidationError)
-def _invalid(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+def _invalid(request: HttpRequest, exc: ValidationError) -> HttpResponseBase:
     first = exc.errors[0] if exc.errors else {}
     loc = first.get("loc", ())
     param = str(loc[-1]) if loc else None
-    return proxy.error_response(
-        ApiError(400, str(first.get("msg", "Invalid request.")), "invalid_request", param=param)
-    )
+    error = ApiError(400, str(first.get("msg", "Invalid request.")), "invalid_request", param=param)
+    return to_django(error_response(error))
 
 
 @api.exception_handler(HttpError)
-def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
-    return proxy.error_response(ApiError(exc.status_code, str(exc), "invalid_request"))
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponseBase:
+    return to_django(error_response(ApiError(exc.status_code, str(exc), "invalid_request")))
 
 
 def _key(request: HttpRequest) -> KeyInfo:
@@ -157,66 +166,26 @@ async def list_models(request: HttpRequest) -> Any:
     return {"object": "list", "data": cards}
 
 
-async def _relay(request: HttpRequest, kind: str) -> HttpResponseBase:
-    # Under llmgw_site.asgi these routes are taken by GatewayHandler's fast path before they
-    # get here (same functions, same answers); this is the path for any other mounting.
-    clock_start = getattr(request, "llmgw_clock_start", None) or time.perf_counter()
-    return await proxy.relay(request.body, _key(request), kind, clock_start)
+def _relay_view(route: RelayRoute) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:
+    async def view(request: HttpRequest) -> HttpResponseBase:
+        # Under llmgw_site.asgi these paths are served by gateway.asgi without ninja (same
+        # function, same answers); this is the path for any other mounting.
+        answer = await proxy.relay(request.body, _key(request), route, time.perf_counter())
+        return to_django(answer)
+
+    return view
 
 
-@api.post(
-    "/chat/completions",
-    response={200: schemas.ChatCompletion, **_ERRORS},
-    openapi_extra=_body_doc("chat", schemas.ChatCompletion),
-    summary="Create a chat completion",
-    tags=["generation"],
-)
-async def chat_completions(request: HttpRequest) -> HttpResponseBase:
-    return await _relay(request, "chat")
-
-
-@api.post(
-    "/completions",
-    response={200: schemas.Completion, **_ERRORS},
-    openapi_extra=_body_doc("completions", schemas.Completion),
-    summary="Create a completion",
-    tags=["generation"],
-)
-async def completions(request: HttpRequest) -> HttpResponseBase:
-    return await _relay(request, "completions")
-
-
-@api.post(
-    "/embeddings",
-    response={200: schemas.EmbeddingList, **_ERRORS},
-    openapi_extra=_body_doc("embeddings"),
-    summary="Create embeddings",
-    tags=["embeddings"],
-)
-async def embeddings(request: HttpRequest) -> HttpResponseBase:
-    return await _relay(request, "embeddings")
-
-
-@api.post(
-    "/responses",
-    response={200: schemas.ResponseObject, **_ERRORS},
-    openapi_extra=_body_doc("responses", schemas.ResponseObject),
-    summary="Create a response",
-    tags=["generation"],
-)
-async def responses(request: HttpRequest) -> HttpResponseBase:
-    return await _relay(request, "responses")
-
-
-@api.post(
-    "/rerank",
-    response={200: schemas.RerankResult, **_ERRORS},
-    openapi_extra=_body_doc("rerank"),
-    summary="Rerank documents",
-    tags=["rerank"],
-)
-async def rerank(request: HttpRequest) -> HttpResponseBase:
-    return await _relay(request, "rerank")
+for _route in RELAY_ROUTES:
+    api.post(
+        _route.path.removeprefix("/v1"),
+        response={200: _route.response, **_ERRORS},
+        openapi_extra=_body_doc(_route),
+        # As ninja names operations after their views (gateway.api.chat_completions ...).
+        operation_id="gateway_api_" + _route.path.removeprefix("/v1/").replace("/", "_"),
+        summary=_route.summary,
+        tags=[_route.tag],
+    )(_relay_view(_route))
 
 
 def _usage_summary(key: KeyInfo) -> dict[str, Any]:

@@ -9,7 +9,14 @@ the client did not send.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.http import HttpResponse
+from django.http.response import HttpResponseBase
+
+from gateway import responses
+from gateway.responses import Header
 
 # The "type" OpenAI uses for each status class.
 _TYPES = {
@@ -36,7 +43,6 @@ class ApiError(Exception):
     code: str
     param: str | None = None
     retry_after: float | None = None
-    headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -48,12 +54,11 @@ class ApiError(Exception):
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)
 
-    def response_headers(self) -> dict[str, str]:
-        headers = dict(self.headers)
-        if self.retry_after is not None:
-            # Whole seconds, rounded up: a client that waits exactly this long must succeed.
-            headers["Retry-After"] = str(max(1, int(-(-self.retry_after // 1))))
-        return headers
+    def response_headers(self) -> list[Header]:
+        if self.retry_after is None:
+            return []
+        # Whole seconds, rounded up: a client that waits exactly this long must succeed.
+        return [(b"retry-after", b"%d" % max(1, int(-(-self.retry_after // 1))))]
 
     def sse_event(self) -> bytes:
         """The same error as the last event of a stream that has already started."""
@@ -84,3 +89,32 @@ def model_not_found(name: str) -> ApiError:
         "model_not_found",
         param="model",
     )
+
+
+def too_large() -> ApiError:
+    limit = int(settings.LLMGW_MAX_BODY_BYTES)
+    return ApiError(413, f"The request body is larger than {limit} bytes.", "request_too_large")
+
+
+def error_response(error: ApiError, request_id: str | None = None) -> responses.Response:
+    return responses.whole(
+        error.status, error.body(), request_id=request_id, extra=error.response_headers()
+    )
+
+
+def openai_shaped(response: HttpResponseBase) -> HttpResponseBase:
+    """Django's own 404/405 pages (unknown path, wrong method) as OpenAI-shaped errors."""
+    if response.status_code not in (404, 405):
+        return response
+    if response.get("Content-Type", "").startswith("application/json"):
+        return response
+    if response.status_code == 404:
+        body = error_body("Unknown API path.", "invalid_request_error", "unknown_url")
+    else:
+        body = error_body(
+            "Method not allowed for this path.", "invalid_request_error", "method_not_allowed"
+        )
+    shaped = HttpResponse(body, status=response.status_code, content_type="application/json")
+    if "Allow" in response:
+        shaped["Allow"] = response["Allow"]
+    return shaped

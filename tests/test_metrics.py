@@ -3,6 +3,7 @@ store, and accepted by ``promtool check metrics`` on a scrape taken while traffi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -143,6 +144,68 @@ def test_observed_requests_show_as_counters_and_histograms_per_model_and_status(
     assert value(text, "llmgw_upstream_retries_total", model=model, reason="connect") == 1
     assert value(text, "llmgw_activation_wait_seconds_count", model=model, outcome="ready") == 1
     assert value(text, "llmgw_replica_cold_start_seconds_sum", model=model) == 75.0
+
+
+def our_samples() -> str:
+    """This process's own values of the request path's metrics, as written so far (read from
+    the process, not the shared folder, which other tests' processes may reset)."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    return generate_latest(REGISTRY).decode()
+
+
+async def test_requests_on_an_event_loop_are_tallied_then_written_as_observe_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(metrics, "FLUSH_EVERY_S", 3600.0)  # written below, by hand
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    # On a bound, just past one, zero, and past the last bound (+Inf).
+    seconds = [0.0, 0.025, 0.0251, 0.1, 7.5, 120.0, 120.5, 900.0]
+    for s in seconds:
+        metrics.observe_request(
+            model, 200, prompt_tokens=2, completion_tokens=3, ttft_s=s, duration_s=s
+        )
+    labels = {"model": model, "status": "200"}
+    assert value(our_samples(), "llmgw_requests_total", **labels) is None  # only tallied
+
+    metrics.write_tallies()
+    text = our_samples()
+    assert value(text, "llmgw_requests_total", **labels) == len(seconds)
+    assert value(text, "llmgw_tokens_total", model=model, kind="prompt") == 2 * len(seconds)
+    assert value(text, "llmgw_tokens_total", model=model, kind="completion") == 3 * len(seconds)
+    for name, bounds in (
+        ("llmgw_time_to_first_token_seconds", metrics.TTFT_BUCKETS),
+        ("llmgw_request_duration_seconds", metrics.DURATION_BUCKETS),
+    ):
+        for bound in bounds:
+            expected = sum(1 for s in seconds if s <= bound)
+            assert value(text, f"{name}_bucket", le=str(bound), **labels) == expected, bound
+        assert value(text, f"{name}_bucket", le="+Inf", **labels) == len(seconds)
+        assert value(text, f"{name}_sum", **labels) == pytest.approx(sum(seconds))
+
+
+def test_a_loop_gone_before_its_write_does_not_stop_the_next_loops_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = f"m-{uuid.uuid4().hex[:8]}"
+
+    async def observe() -> None:
+        metrics.observe_request(
+            model, 200, prompt_tokens=1, completion_tokens=1, ttft_s=0.1, duration_s=0.1
+        )
+
+    monkeypatch.setattr(metrics, "FLUSH_EVERY_S", 3600.0)
+    asyncio.run(observe())  # tallied; its loop is gone before the write comes due
+
+    async def observe_and_wait_for_the_write() -> None:
+        await observe()
+        async with asyncio.timeout(30):
+            while metrics._writer_loop is not None:
+                await asyncio.sleep(0)
+
+    monkeypatch.setattr(metrics, "FLUSH_EVERY_S", 0.0)
+    asyncio.run(observe_and_wait_for_the_write())
+    assert value(our_samples(), "llmgw_requests_total", model=model, status="200") == 2
 
 
 @pytest.mark.django_db
@@ -362,7 +425,15 @@ def test_v1_requests_through_two_web_processes_are_counted_once_each(
         c.chat.completions.create(
             model="metrics-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
-    text = scrape(web_b)
+    # Each process writes its counters to the shared files within a second of a request.
+    text = wait_until(
+        lambda: (
+            (t := scrape(web_b))
+            and value(t, "llmgw_requests_total", model="metrics-chat", status="200") == 3
+            and t
+        ),
+        what="the three requests counted",
+    )
     assert value(text, "llmgw_requests_total", model="metrics-chat", status="200") == 3
     assert value(text, "llmgw_tokens_total", model="metrics-chat", kind="completion") == 9
     counts = value(

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import openai
@@ -200,6 +202,39 @@ def test_a_refused_connection_is_retried_on_another_replica(stack: Any) -> None:
         client(web, key).chat.completions.create(
             model="m3", messages=[{"role": "user", "content": "x"}], max_tokens=1
         )
+
+
+class _Redirecting(BaseHTTPRequestHandler):
+    """An upstream that sends every request on to ``target`` with a 307."""
+
+    target = ""
+
+    def do_POST(self) -> None:
+        self.send_response(307)
+        self.send_header("Location", self.target + self.path)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_an_upstream_redirect_is_not_followed(stack: Any) -> None:
+    web, _, sim_b = stack
+    key, _ = make_key()
+    handler = type("ToSim", (_Redirecting,), {"target": sim_b.url})
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as redirecting:
+        threading.Thread(target=redirecting.serve_forever, daemon=True).start()
+        try:
+            ready(web, key, "m4", [redirecting.server_address[1]])
+            before = sim_metrics(sim_b)["vllm:request_success_total"]
+            status, _, raw = http(
+                "POST", web.url + "/v1/chat/completions", key=key, body=chat("m4", max_tokens=1)
+            )
+        finally:
+            redirecting.shutdown()
+    assert status == 502 and json.loads(raw)["error"]["code"] == "upstream_redirect"
+    assert sim_metrics(sim_b)["vllm:request_success_total"] == before
 
 
 def test_upstream_retry_after_is_waited_out_when_short_and_passed_on_when_long(

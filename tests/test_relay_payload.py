@@ -8,23 +8,26 @@ import pytest
 
 from gateway import payload
 from gateway.errors import ApiError
+from gateway.routes import BY_KIND
+
+CHAT = BY_KIND["chat"]
 
 
 def inspect(body: object, kind: str = "chat") -> payload.Inspected:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return payload.inspect(raw, kind, max_items=100)
+    return payload.inspect(raw, BY_KIND[kind], max_items=100)
 
 
 def test_a_plain_request_is_forwarded_byte_for_byte() -> None:
     raw = b'{"model": "m",  "messages": [{"role":"user","content":"\\u00e9"}], "extra": [1]}'
-    seen = payload.inspect(raw, "chat", max_items=100)
+    seen = payload.inspect(raw, CHAT, max_items=100)
     assert seen.forward_body is raw
     assert (seen.model, seen.stream, seen.n, seen.max_tokens) == ("m", False, 1, None)
 
 
 def test_a_stream_without_stream_options_gets_include_usage_spliced_in() -> None:
     raw = b' {"model":"m","stream":true,"messages":[]}'
-    seen = payload.inspect(raw, "chat", max_items=100)
+    seen = payload.inspect(raw, CHAT, max_items=100)
     assert not seen.client_wants_usage and seen.usage_added
     forwarded = json.loads(seen.forward_body)
     assert forwarded["stream_options"] == {"include_usage": True}
@@ -47,7 +50,7 @@ def test_null_stream_options_are_replaced_not_spread() -> None:
 
 def test_a_client_that_asked_for_usage_is_forwarded_as_is() -> None:
     raw = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True}})
-    seen = payload.inspect(raw.encode(), "chat", max_items=100)
+    seen = payload.inspect(raw.encode(), CHAT, max_items=100)
     assert seen.client_wants_usage and not seen.usage_added
     assert seen.forward_body == raw.encode()
 
@@ -88,6 +91,20 @@ def test_bodies_that_are_not_a_json_object_are_400(raw: bytes) -> None:
     with pytest.raises(ApiError) as error:
         inspect(raw)
     assert error.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","max_tokens":123456789012345678901234567890}',  # past 64 bits
+        b'{"model":"m","temperature":NaN}',
+        b'{"model":"m","messages":[{"role":"user","content":"\\ud800"}]}',  # lone surrogate
+        '{"model":"m"}'.encode("utf-16"),
+    ],
+)
+def test_json_that_python_accepts_is_accepted_as_before(raw: bytes) -> None:
+    seen = payload.inspect(raw, CHAT, max_items=100)
+    assert seen.model == "m" and seen.forward_body is raw
 
 
 def test_embeddings_cannot_stream() -> None:

@@ -58,6 +58,20 @@ def write_journal(path: Path, lines: list[bytes]) -> None:
     path.write_bytes(b"".join(lines))
 
 
+def test_journal_lines_read_back_whatever_model_name_a_client_sent(tmp_path: Path) -> None:
+    # A lone surrogate is valid JSON to Python but not UTF-8: it must not cost the row.
+    names = ["m", "模型-ü", "bad\ud800name", 'quote"and\\slash']
+    path = tmp_path / "1-a.journal"
+    write_journal(
+        path,
+        [
+            usage._line("d", Usage(f"r{i}", None, None, name, "chat", 1.0))
+            for i, name in enumerate(names)
+        ],
+    )
+    assert [row.model for row in usage.read_journal(path)] == names
+
+
 def test_a_dead_processs_journal_is_replayed_and_open_requests_closed(tmp_path: Path) -> None:
     done = record("done-1", status=200, completion_tokens=5, finish_reason="stop")
     started = record("open-1", upstream="replica:3", stream=True)
