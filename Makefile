@@ -37,7 +37,7 @@ pytest-sqlite: $(STAMP)
 	DATABASE_URL=sqlite:///var/test.sqlite3 $(PY) -m pytest $(PYTEST_ARGS)
 
 pytest-postgres: $(STAMP)
-	@$(PY) -m tests.require_postgres; rc=$$?; \
+	@$(PY) -m tests.harness.require_postgres; rc=$$?; \
 	if [ $$rc = 0 ]; then \
 	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest $(PYTEST_ARGS); \
 	elif [ $$rc != 3 ]; then exit $$rc; fi
@@ -45,7 +45,7 @@ pytest-postgres: $(STAMP)
 test: lint typecheck migrations-check pytest-sqlite pytest-postgres
 
 bench: $(STAMP)
-	$(PY) -m tests.bench
+	$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*

@@ -42,7 +42,7 @@ Send = Any
 # The five routes that go to an engine. They are documented and implemented as django-ninja
 # operations (gateway.api), but the handler calls the same function ninja's views call without
 # building a Django request, resolving the URL or running ninja's operation machinery: measured
-# in-process (tests/bench.py setup, out-of-process sim) at ~250 us of CPU saved per request,
+# in-process (bench/ setup, out-of-process sim) at ~250 us of CPU saved per request,
 # a quarter of the total. Every other /v1 path goes through ninja.
 RELAY_ROUTES = {
     "/v1/chat/completions": "chat",

@@ -1,7 +1,7 @@
 """The relay: one request from a client, through auth, limits and routing, to an engine and back.
 
 The upstream client is aiohttp, one session per process. Measured against httpx on this
-2-core machine with ``python -m tests.gateway_bench_clients`` (same ``sim``, client pinned to
+2-core machine with ``python -m bench.clients`` (same ``sim``, client pinned to
 one core, two interleaved runs): one connection, aiohttp 727-1,940 requests/s at 290-410 us
 of CPU each, httpx 333-400 at 1,125-1,176 us; 64 concurrent requests, aiohttp 2,127-4,397/s at
 about 190 us each, httpx 211-239/s at 2,357-2,622 us with p99 over a second (its pool
