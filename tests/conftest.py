@@ -1,5 +1,6 @@
 """Shared fixtures. Every test that touches the store runs on whichever backend DATABASE_URL
-names (the Makefile runs the suite once on SQLite and once on PostgreSQL)."""
+names: the Makefile runs the suite on SQLite, then the tests that use the store again on
+PostgreSQL (``--store-tests-only``: the others would only repeat themselves)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,53 @@ from typing import Any
 
 import pytest
 from django.db import connection
+from pytest_django import DjangoDbBlocker
 from pytest_django.fixtures import _set_suffix_to_test_databases
 
 from tests.harness.clock import FakeClock
+from tests.harness.redis import RedisServer
+
+STORE_FIXTURES = {"django_db_setup"}  # every way to the test database goes through it
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-tests-only",
+        action="store_true",
+        help="run only the tests that use the store: the second backend's pass, the others "
+        "having run in the first",
+    )
+
+
+def uses_store(item: pytest.Item) -> bool:
+    """The test reaches the store under test: pytest-django's database (its marker or its
+    fixtures), or a module-wide one (``store`` marker)."""
+    return bool(
+        item.get_closest_marker("django_db")
+        or item.get_closest_marker("store")
+        or STORE_FIXTURES & set(getattr(item, "fixturenames", ()))
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("store_tests_only"):
+        return
+    storeless = [item for item in items if not uses_store(item)]
+    if storeless:
+        config.hook.pytest_deselected(items=storeless)
+        items[:] = [item for item in items if uses_store(item)]
+    config.stash[STORELESS] = len(storeless)
+
+
+STORELESS = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if STORELESS in config.stash:
+        terminalreporter.write_line(
+            f"--store-tests-only: {config.stash[STORELESS]} tests that do not use the store "
+            "were deselected (they ran in the first backend's pass)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +64,40 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: N
     """One test database per pytest run, so runs side by side (two checkouts, a developer and
     an editor's test runner) never create or drop each other's database."""
     _set_suffix_to_test_databases(os.environ.get("LLMGW_TEST_DB_SUFFIX") or f"p{os.getpid()}")
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(
+    request: pytest.FixtureRequest,
+    django_test_environment: None,
+    django_db_blocker: DjangoDbBlocker,
+    django_db_modify_db_settings: None,
+) -> Iterator[None]:
+    """The test database, migrated, for the whole run. pytest-django's own fixture creates it
+    only for tests marked for its per-test database; a module that shares one cluster across
+    its tests (``store`` marker, ``tests.harness.store.module_store``) needs it as well."""
+    from django.test.utils import setup_databases, teardown_databases
+
+    verbosity = request.config.option.verbose
+    with django_db_blocker.unblock():
+        # (django-stubs types ``aliases`` as a mapping; Django takes any collection of names.)
+        created = setup_databases(
+            verbosity=verbosity,
+            interactive=False,
+            aliases={"default"},  # type: ignore[arg-type]
+        )
+    yield
+    with django_db_blocker.unblock():
+        teardown_databases(created, verbosity=verbosity)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A private Redis for tests that only need one (never 127.0.0.1:6379: someone else's).
+    A test that stops or restarts Redis starts its own."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,8 +36,9 @@ from agents.sim import (
     generated_text,
     serve,
 )
+from tests.harness.procs import REPO_ROOT
+from tests.harness.waits import await_until
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "how are you today"}]
 USER_TOKENS = 4 + MESSAGE_OVERHEAD_TOKENS  # four words and one message
@@ -74,7 +74,7 @@ async def client(sim: SimServer) -> AsyncIterator[openai.AsyncOpenAI]:
 
 @pytest_asyncio.fixture
 async def http(sim: SimServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sim.port}", timeout=5) as c:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sim.port}", timeout=60) as c:
         yield c
 
 
@@ -99,16 +99,12 @@ async def metrics(http_client: httpx.AsyncClient) -> dict[str, float]:
     return totals
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Poll ``check`` until it holds, or fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail("condition not reached before the deadline")
-        await asyncio.sleep(0.01)
+async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
+    """Poll ``check`` until it holds, or fail at the (generous) deadline."""
+    await await_until(check, what=getattr(check, "__name__", "the condition"), interval=0.01)
 
 
-async def raw_exchange(port: int, data: bytes, timeout: float = 3.0) -> bytes:
+async def raw_exchange(port: int, data: bytes, timeout: float = 60.0) -> bytes:
     """Send bytes on a fresh connection and read until the server closes it."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
@@ -421,10 +417,9 @@ async def test_paced_stream_keeps_time_to_first_token_and_the_gap_between_tokens
         ]
     assert len(arrivals) == 6
     # Token i is sent at ttft + i * itl after the request arrives, so it can never be seen
-    # earlier; how much later depends on this machine's load, hence the loose upper bound.
+    # earlier (how much later depends on the machine's load, so that is not asserted).
     schedule = [0.150 + 0.040 * i for i in range(6)]
     assert all(seen >= due for seen, due in zip(arrivals, schedule, strict=True))
-    assert all(seen < due + 0.4 for seen, due in zip(arrivals, schedule, strict=True))
 
 
 async def test_per_request_timing_overrides_the_configured_instant_mode(
@@ -436,14 +431,14 @@ async def test_per_request_timing_overrides_the_configured_instant_mode(
     )
     elapsed = time.monotonic() - started
     assert response.status_code == 200
-    assert 0.19 <= elapsed < 0.7  # ttft + 2 gaps
+    assert elapsed >= 0.19  # ttft + 2 gaps, not instant
 
 
 async def test_requests_past_max_concurrency_wait_and_show_as_waiting(
     start_sim: Starter,
 ) -> None:
     server = await start_sim(max_concurrency=1)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as c:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as c:
         body = chat_body(max_tokens=1, sim={"ttft_ms": 300})
         started = time.monotonic()
         calls = [asyncio.create_task(c.post("/v1/chat/completions", json=body)) for _ in range(3)]
@@ -535,12 +530,17 @@ async def test_hang_rate_hangs_requests_from_the_command_line(start_sim: Starter
 
 async def test_hang_mid_stream_stops_after_the_first_token(http: httpx.AsyncClient) -> None:
     body = chat_body(stream=True, sim={"hang": "mid_stream"})
-    received: list[str] = []
-    with pytest.raises(httpx.ReadTimeout):
-        async with http.stream("POST", "/v1/chat/completions", json=body, timeout=0.4) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    received.append(line)
+
+    async def next_event(lines: AsyncIterator[str], timeout: float) -> str:
+        while not (line := await asyncio.wait_for(anext(lines), timeout)).startswith("data: "):
+            pass
+        return line
+
+    async with http.stream("POST", "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.aiter_lines()
+        received = [await next_event(lines, 60), await next_event(lines, 60)]
+        with pytest.raises(TimeoutError):  # then nothing: the engine hangs
+            await next_event(lines, 0.5)
     deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in received]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "tok1"}]
 
@@ -595,7 +595,7 @@ async def test_client_disconnect_cancels_the_generation_and_leaks_no_task(
     start_sim: Starter,
 ) -> None:
     server = await start_sim(itl_ms=50)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=5) as c:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as c:
         body = chat_body(max_tokens=200, stream=True)
         async with c.stream("POST", "/v1/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
@@ -775,7 +775,7 @@ class SimProcess:
             self.lines.put(line)
 
     def _wait_for_port(self) -> int:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 line = self.lines.get(timeout=0.1)
@@ -787,7 +787,7 @@ class SimProcess:
         self.proc.kill()
         pytest.fail("the simulator never said where it listens")
 
-    def wait(self, timeout: float = 10) -> int:
+    def wait(self, timeout: float = 60) -> int:
         return self.proc.wait(timeout=timeout)
 
 
@@ -799,7 +799,7 @@ async def test_process_serves_the_openai_client_and_exits_0_on_sigterm_after_fin
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as c:
             completion = await c.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
             assert completion.choices[0].message.content == "tok1 tok2"
-        async with httpx.AsyncClient(base_url=base, timeout=5) as http_client:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http_client:
             body = chat_body(max_tokens=1, sim={"ttft_ms": 400})
             in_flight = asyncio.create_task(http_client.post("/v1/chat/completions", json=body))
 

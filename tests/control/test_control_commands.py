@@ -6,7 +6,6 @@ import io
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -15,9 +14,10 @@ from django.core.management.base import CommandError
 
 from control import leases
 from control.models import Replica
-from tests.control.test_reconciler import make_model, make_node
+from tests.harness.factories import gib, make_model, make_node
 from tests.harness.procs import REPO_ROOT
 from tests.harness.store import child_env
+from tests.harness.waits import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -32,7 +32,7 @@ def run_command(*args: str) -> tuple[int, str]:
 
 
 def test_reconcile_once_places_what_is_missing_and_says_so() -> None:
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     make_model("m", min_replicas=1)
     code, text = run_command("reconcile", "--once")
     assert code == 0
@@ -41,7 +41,7 @@ def test_reconcile_once_places_what_is_missing_and_says_so() -> None:
 
 
 def test_reconcile_once_refuses_to_act_while_another_process_leads(election_on: Any) -> None:
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     make_model("m", min_replicas=1)
     leases.claim(owner="elsewhere:1:x", ttl=60)
     with pytest.raises(CommandError, match="did not act: another process leads"):
@@ -55,7 +55,7 @@ def test_reconcile_needs_a_mode() -> None:
 
 
 def test_reconcile_loop_ticks_until_sigterm_then_releases_the_lease(tmp_path: Any) -> None:
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     make_model("m", min_replicas=1)
     env = child_env(LLMGW_VAR_DIR=str(tmp_path), LLMGW_LEADER_ELECTION="true")
     process = subprocess.Popen(
@@ -67,9 +67,7 @@ def test_reconcile_loop_ticks_until_sigterm_then_releases_the_lease(tmp_path: An
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not Replica.objects.exists():
-            time.sleep(0.1)
+        wait_until(Replica.objects.exists, what="a placement by the loop")
         assert Replica.objects.count() == 1
         view = leases.read()
         assert view is not None and view.held
@@ -82,16 +80,16 @@ def test_reconcile_loop_ticks_until_sigterm_then_releases_the_lease(tmp_path: An
 
 
 def test_explain_placement_shows_where_a_replica_would_go() -> None:
-    make_node("a", 80, 80)
+    make_node("a", gpus=gib(80, 80))
     make_model("m", gpus=2, memory_gib=40)
     code, text = run_command("explain_placement", "m")
     assert code == 0
-    assert "model m (profile m-profile: sim, 1 shard(s) × 2 GPU(s) with 40960 MiB free each" in text
+    assert "model m (profile m-sim: sim, 1 shard(s) × 2 GPU(s) with 40960 MiB free each" in text
     assert "would place rank 0 on a: GPUs [0, 1], port 20000" in text
 
 
 def test_explain_placement_says_why_a_replica_cannot_be_placed() -> None:
-    make_node("gpu-3", 80)
+    make_node("gpu-3", gpus=gib(80))
     make_model("big", gpus=2, memory_gib=80)
     code, text = run_command("explain_placement", "big")
     assert code == 1

@@ -11,41 +11,10 @@ import pytest
 from django.utils import timezone
 
 from control import leases, reconciler
-from control.models import Event, Gpu, Node, Profile, Replica, ServedModel, Shard
+from control.models import Event, Node, Replica, ServedModel, Shard
+from tests.harness.factories import gib, make_model, make_node
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
-
-GIB = 1024
-
-
-def make_node(name: str, *gpu_gib: int, **fields: Any) -> Node:
-    node = Node.objects.create(
-        name=name, health=Node.Health.READY, last_heartbeat_at=timezone.now(), **fields
-    )
-    for index, gib in enumerate(gpu_gib):
-        Gpu.objects.create(node=node, index=index, model="H100", memory_total_mib=gib * GIB)
-    return node
-
-
-def make_model(
-    name: str,
-    *,
-    gpus: int = 1,
-    shards: int = 1,
-    memory_gib: int = 0,
-    **fields: Any,
-) -> ServedModel:
-    profile = Profile.objects.create(
-        name=f"{name}-profile",
-        engine="sim",
-        gpus_per_shard=gpus,
-        shards_per_replica=shards,
-        gpu_memory_mib=memory_gib * GIB,
-    )
-    fields.setdefault("source", f"org/{name}")
-    model = ServedModel.objects.create(name=name, default_profile=profile, **fields)
-    model.profiles.add(profile)
-    return model
 
 
 @pytest.fixture
@@ -76,7 +45,7 @@ def set_observed(replica: Replica, state: str, **fields: Any) -> None:
 def test_minimum_replicas_are_placed_on_distinct_gpus_and_a_second_tick_changes_nothing(
     lead: leases.Leadership,
 ) -> None:
-    node = make_node("a", 80, 80, 80)
+    node = make_node("a", gpus=gib(80, 80, 80))
     model = make_model("m", min_replicas=2, max_replicas=2)
     result = run_tick(lead)
     assert result.placed == 2
@@ -94,7 +63,7 @@ def test_minimum_replicas_are_placed_on_distinct_gpus_and_a_second_tick_changes_
 
 
 def test_a_cold_model_gets_a_replica_only_when_a_request_waits(lead: leases.Leadership) -> None:
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     model = make_model("cold")
     run_tick(lead)
     assert running(model) == []
@@ -104,7 +73,7 @@ def test_a_cold_model_gets_a_replica_only_when_a_request_waits(lead: leases.Lead
 
 
 def test_an_unplaceable_replica_records_why_once(lead: leases.Leadership) -> None:
-    make_node("gpu-3", 80)
+    make_node("gpu-3", gpus=gib(80))
     model = make_model("big", gpus=2, memory_gib=80, min_replicas=1)
     run_tick(lead)
     run_tick(lead)
@@ -117,7 +86,7 @@ def test_a_failed_replica_restarts_after_its_backoff_with_a_new_generation(
     lead: leases.Leadership, settings: Any
 ) -> None:
     settings.LLMGW_BACKOFF_BASE = 2.0
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     model = make_model("m", min_replicas=1)
     run_tick(lead)
     (replica,) = running(model)
@@ -149,8 +118,8 @@ def test_a_failed_replica_restarts_after_its_backoff_with_a_new_generation(
 def test_replicas_on_a_lost_node_are_stopped_and_placed_elsewhere(
     lead: leases.Leadership, settings: Any
 ) -> None:
-    a = make_node("a", 80)
-    b = make_node("b", 80)
+    a = make_node("a", gpus=gib(80))
+    b = make_node("b", gpus=gib(80))
     model = make_model("m", min_replicas=1)
     Node.objects.filter(pk=b.pk).update(schedule=Node.Schedule.CORDONED)
     run_tick(lead)
@@ -171,8 +140,8 @@ def test_replicas_on_a_lost_node_are_stopped_and_placed_elsewhere(
 def test_draining_a_node_places_a_replacement_before_draining_the_old_replica(
     lead: leases.Leadership,
 ) -> None:
-    a = make_node("a", 80)
-    make_node("b", 80)
+    a = make_node("a", gpus=gib(80))
+    make_node("b", gpus=gib(80))
     model = make_model("m", min_replicas=1, idle_timeout_s=3600)
     Node.objects.filter(name="b").update(schedule=Node.Schedule.CORDONED)
     run_tick(lead)
@@ -201,7 +170,7 @@ def test_draining_a_node_places_a_replacement_before_draining_the_old_replica(
 def test_an_idle_model_scales_down_to_its_minimum_draining_ready_replicas(
     lead: leases.Leadership,
 ) -> None:
-    make_node("a", 80, 80)
+    make_node("a", gpus=gib(80, 80))
     now = timezone.now()
     model = make_model(
         "m", max_replicas=2, idle_timeout_s=60, activation_timeout_s=30, demand_at=now
@@ -224,7 +193,7 @@ def test_an_idle_model_scales_down_to_its_minimum_draining_ready_replicas(
 def test_eviction_drains_an_idle_unpinned_replica_to_make_room_for_waiting_demand(
     lead: leases.Leadership,
 ) -> None:
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     now = timezone.now()
     old = make_model("old", idle_timeout_s=3600, demand_at=now, last_request_at=now)
     run_tick(lead, now)
@@ -246,7 +215,7 @@ def test_eviction_drains_an_idle_unpinned_replica_to_make_room_for_waiting_deman
 def test_pinned_replicas_and_replicas_serving_requests_are_not_evicted(
     lead: leases.Leadership,
 ) -> None:
-    make_node("a", 80, 80)
+    make_node("a", gpus=gib(80, 80))
     now = timezone.now()
     pinned = make_model("pinned", pinned=True, demand_at=now, last_request_at=now)
     serving = make_model("serving", demand_at=now, last_request_at=now, idle_timeout_s=3600)
@@ -264,7 +233,7 @@ def test_pinned_replicas_and_replicas_serving_requests_are_not_evicted(
 
 
 def test_a_deposed_leaders_tick_writes_nothing() -> None:
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     make_model("m", min_replicas=1)
     old = leases.claim(owner="old", ttl=0, renew_deadline=30)
     leases.claim(owner="new", ttl=60)
@@ -275,7 +244,7 @@ def test_a_deposed_leaders_tick_writes_nothing() -> None:
 
 
 def test_run_once_acts_only_while_leading(settings: Any) -> None:
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     model = make_model("m", min_replicas=1)
     leases.claim(owner="someone-else", ttl=60)
     follower = reconciler.Reconciler()
@@ -291,7 +260,7 @@ def test_run_once_acts_only_while_leading(settings: Any) -> None:
 
 def test_with_leader_election_off_the_tick_needs_no_lease(settings: Any) -> None:
     settings.LLMGW_LEADER_ELECTION = False
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     model = make_model("m", min_replicas=1)
     assert reconciler.Reconciler().run_once().placed == 1
     assert len(running(model)) == 1
@@ -300,8 +269,8 @@ def test_with_leader_election_off_the_tick_needs_no_lease(settings: Any) -> None
 def test_deleting_a_model_asks_its_nodes_to_remove_its_weights_until_done(
     lead: leases.Leadership,
 ) -> None:
-    a = make_node("a", 80)
-    make_node("b", 80)
+    a = make_node("a", gpus=gib(80))
+    make_node("b", gpus=gib(80))
     model = make_model("m", min_replicas=1)
     make_model("other", min_replicas=0)
     run_tick(lead)
@@ -321,7 +290,7 @@ def test_deleting_a_model_asks_its_nodes_to_remove_its_weights_until_done(
 def test_a_model_re_added_with_the_same_source_cancels_the_removal(
     lead: leases.Leadership,
 ) -> None:
-    make_node("a", 80)
+    make_node("a", gpus=gib(80))
     model = make_model("m", min_replicas=1)
     run_tick(lead)
     model.delete()

@@ -14,7 +14,8 @@ from django.test import AsyncClient
 
 from gateway.upstreams import upstreams
 from gateway.usage import recorder
-from tests.harness.live import close_db_thread, make_key
+from tests.harness.factories import make_key
+from tests.harness.live import close_db_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -4,9 +4,7 @@ backends, and Redis)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
-import socket
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -19,6 +17,7 @@ from gateway import limits
 from gateway.errors import ApiError
 from gateway.keys import KeyInfo
 from tests.harness.live import close_db_thread
+from tests.harness.redis import RedisServer
 
 
 @pytest.fixture(autouse=True)
@@ -148,19 +147,8 @@ async def test_reserve_raises_429_when_a_limit_is_reached(settings: Any) -> None
     assert await limits.reserve(limited, 1, NOW + 60) is not None  # the next minute
 
 
-def redis_url() -> str:
-    url = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    try:
-        socket.create_connection(("127.0.0.1", 6379), timeout=0.5).close()
-    except OSError:
-        if os.environ.get("CI"):
-            pytest.fail("Redis must be reachable on CI")
-        pytest.skip("no Redis on 127.0.0.1:6379")
-    return url
-
-
-async def test_the_redis_store_is_atomic_under_concurrency() -> None:
-    store = limits.RedisStore(redis_url())
+async def test_the_redis_store_is_atomic_under_concurrency(redis_server: RedisServer) -> None:
+    store = limits.RedisStore(redis_server.url)
     rpm, tpm = limits.counters_for(key(rpm=25, tpm=10**6), 7, NOW)
     results = await asyncio.gather(*(store.take([rpm, tpm]) for _ in range(60)))
     assert sum(r is None for r in results) == 25

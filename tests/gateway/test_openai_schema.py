@@ -17,7 +17,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.harness.live import Proc, http, make_key, quiesce, serve_model, start_sim, start_web
+from tests.harness.factories import make_key, serve_model
+from tests.harness.live import Stack, gateway_stack, http
+from tests.harness.procs import Proc
 from tests.harness.waits import wait_until
 
 CHECKS = [
@@ -31,15 +33,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture(scope="module")
-def stack(
-    django_db_setup: Any, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Proc, Proc]]:
-    tmp = tmp_path_factory.mktemp("schema")
-    sim = start_sim(tmp, ["string", "m"])  # "string" is what generators try first
-    web = start_web(tmp)
-    yield web, sim
-    for proc in (web, sim):
-        proc.stop()
+def live(django_db_setup: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # "string" is the model name generators try first.
+    with gateway_stack(tmp_path_factory.mktemp("schema"), ["string", "m"], engines=1) as live:
+        yield live
+
+
+@pytest.fixture
+def stack(live: Stack) -> Iterator[tuple[Proc, Proc]]:
+    live.begin()
+    yield live.web, live.engines[0]
+    live.settle()
 
 
 @pytest.fixture
@@ -50,12 +54,6 @@ def bearer(stack: tuple[Proc, Proc]) -> dict[str, str]:
     serve_model("m", [sim.port])
     wait_until(lambda: b'"string"' in http("GET", web.url + "/v1/models", key=key)[2])
     return {"Authorization": f"Bearer {key}"}
-
-
-@pytest.fixture(autouse=True)
-def _quiet_after(stack: Any) -> Iterator[None]:
-    yield
-    quiesce()
 
 
 def exercise(operation: Any, bearer: dict[str, str], seen: dict[str, set[int]]) -> None:

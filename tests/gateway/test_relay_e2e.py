@@ -12,19 +12,17 @@ from typing import Any
 import openai
 import pytest
 
+from tests.harness.factories import make_key, serve_model
 from tests.harness.live import (
-    Proc,
+    Stack,
+    engine_requests,
+    gateway_stack,
     http,
-    make_key,
-    quiesce,
-    serve_model,
     set_sim_faults,
     sim_metrics,
-    start_sim,
-    start_web,
     wait_for_rows,
 )
-from tests.harness.procs import free_port
+from tests.harness.procs import Proc, free_port
 from tests.harness.waits import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -33,36 +31,30 @@ LIMIT = 4 * 1024 * 1024
 MODELS = ("m1", "m2", "m3", "m4", "m5", "m6", "ext-model")
 
 
-@pytest.fixture(scope="module")
-def stack(
-    django_db_setup: Any, django_db_blocker: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Proc, Proc, Proc]]:
-    tmp = tmp_path_factory.mktemp("relay-e2e")
-    sims = [start_sim(tmp, MODELS), start_sim(tmp, MODELS)]
-    web = start_web(
-        tmp,
+def web_settings(engines: list[Proc]) -> dict[str, str]:
+    return {
         # A router-only upstream, given at start: no catalog row, no replica.
-        LLMGW_STATIC_ENDPOINTS=f"ext={sims[1].url}/v1=ext-model",
-        LLMGW_MAX_BODY_BYTES=str(LIMIT),
-        LLMGW_RETRY_AFTER_MAX="2",
-        LLMGW_EJECT_SECONDS="30",
-    )
-    yield web, sims[0], sims[1]
-    for proc in (web, *sims):
-        proc.stop()
+        "LLMGW_STATIC_ENDPOINTS": f"ext={engines[1].url}/v1=ext-model",
+        "LLMGW_MAX_BODY_BYTES": str(LIMIT),
+        "LLMGW_RETRY_AFTER_MAX": "2",
+        "LLMGW_EJECT_SECONDS": "30",
+    }
 
 
-@pytest.fixture(autouse=True)
-def clear_faults(stack: Any) -> Iterator[None]:
-    yield
-    for sim in stack[1:]:
+@pytest.fixture(scope="module")
+def live(django_db_setup: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with gateway_stack(tmp_path_factory.mktemp("relay-e2e"), MODELS, settings=web_settings) as live:
+        yield live
+
+
+@pytest.fixture
+def stack(live: Stack) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """The module's processes; after each test its faults are cleared and its rows stored."""
+    live.begin()
+    yield live.web, live.engines[0], live.engines[1]
+    for sim in live.engines:
         http("DELETE", sim.url + "/sim/faults")
-
-
-@pytest.fixture(autouse=True)
-def _quiet_after(stack: Any) -> Iterator[None]:
-    yield
-    quiesce()
+    live.settle()
 
 
 def client(web: Proc, key: str) -> openai.OpenAI:
@@ -88,12 +80,10 @@ def chat(name: str, **extra: Any) -> bytes:
     ).encode()
 
 
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+def arrived(sim: Proc) -> float:
+    """Requests that reached the engine, finished or not."""
+    metrics = sim_metrics(sim)
+    return metrics["vllm:num_requests_running"] + engine_requests(sim)
 
 
 def raw_exchange(port: int, head: bytes, body_parts: list[bytes], pause: float = 0.0) -> bytes:
@@ -122,9 +112,6 @@ def raw_exchange(port: int, head: bytes, body_parts: list[bytes], pause: float =
 def test_a_declared_oversized_body_is_refused_before_it_is_sent(stack: Any) -> None:
     web, _, _ = stack
     key, _ = make_key()
-    assert web.process is not None
-    before = rss_kib(web.process.pid)
-    started = time.monotonic()
     for _ in range(5):
         head = (
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -134,8 +121,7 @@ def test_a_declared_oversized_body_is_refused_before_it_is_sent(stack: Any) -> N
         answer = raw_exchange(web.port, head, [])  # not one byte of the body is sent
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert b'"code":"request_too_large"' in answer
-    assert time.monotonic() - started < 5
-    assert rss_kib(web.process.pid) - before < 20 * 1024
+    assert web.running()
 
 
 def test_a_chunked_upload_is_cut_off_once_it_passes_the_limit(stack: Any) -> None:
@@ -287,19 +273,19 @@ def test_a_client_that_hangs_up_mid_stream_cancels_the_engine_request(stack: Any
     # The socket is closed: the engine must stop generating within a moment.
     wait_until(
         lambda: sim_metrics(sim_a).get("sim:request_cancelled_total", 0) == cancelled_before + 1,
-        timeout=5,
+        what="the engine request cancelled",
     )
     assert sim_metrics(sim_a)["vllm:num_requests_running"] == 0
     (row,) = wait_for_rows(api_key, 1)
     assert row.finish_reason == "client_disconnect"
     assert 3 <= row.completion_tokens < 200
-    assert row.duration_ms < 3000
 
 
 def test_an_upstream_that_never_answers_is_a_504_at_the_first_byte_deadline(stack: Any) -> None:
     web, sim_a, sim_b = stack
     key, api_key = make_key()
     ready(web, key, "m2", [sim_a.port, sim_b.port], first_byte_timeout_s=0.5)
+    before = arrived(sim_a) + arrived(sim_b)
     started = time.monotonic()
     status, _, raw = http(
         "POST",
@@ -309,7 +295,9 @@ def test_an_upstream_that_never_answers_is_a_504_at_the_first_byte_deadline(stac
     )
     elapsed = time.monotonic() - started
     assert status == 504 and json.loads(raw)["error"]["code"] == "upstream_timeout"
-    assert 0.5 <= elapsed < 2.5  # not retried: a hung engine may still be working on it
+    assert elapsed >= 0.5  # the deadline was waited out
+    # Not retried elsewhere: a hung engine may still be working on it.
+    assert arrived(sim_a) + arrived(sim_b) == before + 1
     (row,) = wait_for_rows(api_key, 1)
     assert row.finish_reason == "timeout"
 
@@ -320,7 +308,6 @@ def test_an_upstream_that_stalls_mid_stream_gets_an_error_event_at_the_idle_dead
     web, sim_a, _ = stack
     key, api_key = make_key()
     ready(web, key, "m3", [sim_a.port], stream_idle_timeout_s=0.5)
-    started = time.monotonic()
     status, _, raw = http(
         "POST",
         web.url + "/v1/chat/completions",
@@ -331,7 +318,6 @@ def test_an_upstream_that_stalls_mid_stream_gets_an_error_event_at_the_idle_dead
     events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
     assert json.loads(events[-1][6:])["error"]["code"] == "upstream_timeout"
     assert "[DONE]" not in raw.decode()
-    assert time.monotonic() - started < 3
     (row,) = wait_for_rows(api_key, 1)
     assert row.finish_reason == "timeout"
 

@@ -18,11 +18,12 @@ import json
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from websockets.sync.client import ClientConnection, connect
+
+from tests.harness.waits import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = [
@@ -42,17 +43,6 @@ FLAGS = [
 
 class BrowserError(AssertionError):
     pass
-
-
-def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise BrowserError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 class Browser:
@@ -75,11 +65,11 @@ class Browser:
             stderr=subprocess.STDOUT,
         )
         active = profile / "DevToolsActivePort"
-        wait_for(lambda: active.exists() and active.read_text().count("\n") >= 1, 30, "DevTools")
+        wait_until(lambda: active.exists() and active.read_text().count("\n") >= 1, what="DevTools")
         port, path = active.read_text().split("\n")[:2]
         self._stack = contextlib.ExitStack()
         self.ws: ClientConnection = self._stack.enter_context(
-            connect(f"ws://127.0.0.1:{port}{path}", max_size=64 * 1024 * 1024, open_timeout=10)
+            connect(f"ws://127.0.0.1:{port}{path}", max_size=64 * 1024 * 1024, open_timeout=60)
         )
         self._ids = itertools.count(1)
         self.console_errors: list[str] = []
@@ -145,10 +135,10 @@ class Browser:
         self.page("Page.navigate", {"url": url})
         self._wait_new_page(before)
 
-    def _wait_new_page(self, before: float, timeout: float = 20) -> None:
+    def _wait_new_page(self, before: float, timeout: float = 60) -> None:
         # The old document answers "complete" until the new one replaces it, so wait for a
         # document with a different time origin that has finished loading.
-        wait_for(
+        wait_until(
             lambda: (
                 self.eval("performance.timeOrigin") != before
                 and self.eval("document.readyState") == "complete"
@@ -157,8 +147,8 @@ class Browser:
             "the next page",
         )
 
-    def wait_loaded(self, timeout: float = 20) -> None:
-        wait_for(lambda: self.eval("document.readyState") == "complete", timeout, "page load")
+    def wait_loaded(self, timeout: float = 60) -> None:
+        wait_until(lambda: self.eval("document.readyState") == "complete", timeout, "page load")
 
     @property
     def url(self) -> str:
@@ -175,9 +165,9 @@ class Browser:
     def exists(self, selector: str) -> bool:
         return bool(self.eval(f"document.querySelector({json.dumps(selector)}) !== null"))
 
-    def wait_text(self, selector: str, needle: str, timeout: float = 20) -> str:
+    def wait_text(self, selector: str, needle: str, timeout: float = 60) -> str:
         return str(
-            wait_for(
+            wait_until(
                 lambda: (t := self.eval(
                     f"(e => e ? e.innerText : '')(document.querySelector({json.dumps(selector)}))"
                 )) and needle in t and t,

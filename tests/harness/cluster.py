@@ -1,26 +1,31 @@
-"""A real llmgw cluster on loopback, for end-to-end tests of the control plane.
+"""A real llmgw cluster on loopback, for end-to-end tests of the control plane and the agents.
 
-Control planes are each a daphne web process, a Celery worker and a Celery beat with a var
-folder of their own (as separate hosts would have), sharing the test database and a private
-``redis-server`` (broker and channel layer) this harness starts, so tests may restart it.
-Agents are ``python -m agents`` with simulated GPUs; each has a port range of its own because
-all of their engines share this one machine's loopback. An :class:`InvariantChecker` reads the
-database and the live engine processes throughout and records every violation of the two
-promises: no GPU given to two shards, no model above its replica count.
+A control plane is a web process (started as ``manage.py run`` starts one) and, unless asked
+otherwise, a Celery worker and beat, with a var folder of its own as a separate host would
+have; all share the test database and a private ``redis-server`` (broker and channel layer)
+this harness starts, so tests may stop and restart it. Agents are ``python -m agents`` with
+simulated GPUs; each has a window of engine ports of its own, because all their engines share
+this machine's loopback.
+
+What the tests observe comes from the store, the processes and the wire: an
+:class:`InvariantChecker` reads the store and the live engines throughout and records every
+violation of the two promises (no GPU given to two shards, no model above its replica count);
+:class:`TaskEvents` receives the workers' Celery task events, so a test knows when a tick ran
+without reading a log line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,16 +33,25 @@ from typing import Any
 
 from django.db import connection
 
+from agents.shards import process_start_ticks
 from control import nodes
+from control.management.commands.run import celery_argv
 from control.models import Event, Node, Replica, ServedModel, Shard
-from tests.harness.procs import REPO_ROOT, free_port
-from tests.harness.store import child_env
-from tests.harness.waits import wait_until
+from tests.harness.procs import (
+    PORT_WINDOW,
+    PYTHON,
+    Proc,
+    engine_port,
+    engine_processes,
+    port_window,
+    web_process,
+)
+from tests.harness.redis import RedisServer
+from tests.harness.store import child_env, execute_now
 
-PYTHON = sys.executable
 LIVE = {"starting", "ready", "draining"}
 
-# Short intervals so that failures play out in seconds. The lease TTL bounds failover.
+# Short intervals, so that failures play out in seconds. The lease TTL bounds failover.
 FAST = {
     "LLMGW_LEADER_ELECTION": "true",
     "LLMGW_LEASE_TTL": "3",
@@ -51,59 +65,7 @@ FAST = {
     "LLMGW_BACKOFF_MAX": "2",
     "LLMGW_DRAIN_TIMEOUT": "3",
     "LLMGW_LOG_LEVEL": "INFO",
-    "LLMGW_DEBUG_LOGGERS": "control.reconciler",
 }
-
-
-@dataclass
-class Service:
-    """One process of the cluster, its output in a log file."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
-    process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Service:
-        with self.log.open("ab") as handle:
-            self.process = subprocess.Popen(
-                self.argv, env=self.env, cwd=REPO_ROOT, stdout=handle, stderr=subprocess.STDOUT
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def send(self, sig: int) -> None:
-        assert self.process is not None
-        self.process.send_signal(sig)
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)  # a paused process cannot exit
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
-        return self.process.returncode
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait(10)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
 class TcpProxy:
@@ -154,17 +116,20 @@ class TcpProxy:
                     sock.shutdown(socket.SHUT_RDWR)
 
     def cut(self) -> None:
-        """Reset every connection and refuse new ones until :meth:`restore`."""
+        """End every connection at once (both sides see it closed or reset, as when a
+        firewall starts rejecting) and refuse new ones until :meth:`restore`."""
         self.cut_off.set()
         with self.lock:
             for sock in self.sockets:
-                try:
+                with contextlib.suppress(OSError):
                     sock.setsockopt(
                         socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
                     )
-                    sock.close()
-                except OSError:
-                    pass
+                # A thread blocked in recv() on this socket keeps it open through close();
+                # shutdown() wakes it, so the far end learns now, not at the next write.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
             self.sockets.clear()
 
     def restore(self) -> None:
@@ -177,206 +142,292 @@ class TcpProxy:
 
 @dataclass
 class ControlPlane:
+    """One control-plane host: its web process, and its reconciler worker and beat."""
+
     name: str
-    web: Service
-    worker: Service
-    beat: Service
-    url: str
+    var: Path
+    env: dict[str, str]
+    port: int
+    web: Proc | None = None
+    worker: Proc | None = None
+    beat: Proc | None = None
     proxy: TcpProxy | None = None
 
-    def services(self) -> list[Service]:
-        return [self.web, self.worker, self.beat]
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def services(self) -> list[Proc]:
+        return [p for p in (self.web, self.worker, self.beat) if p is not None]
+
+    def start_web(self, **env: str) -> Proc:
+        """(Re)start the web process on this plane's port, with ``env`` over its settings."""
+        if self.web is not None:
+            self.web.stop()
+        self.web = web_process(
+            f"{self.name}-web", self.var / "logs", {**self.env, **env}, port=self.port
+        )
+        return self.web
+
+    def stop_web(self) -> None:
+        if self.web is not None:
+            self.web.stop()
 
 
 @dataclass
 class Agent:
+    """One node's agent: where it keeps its token, state and weights, and its incarnations."""
+
     name: str
-    service: Service
-    port_range: tuple[int, int]
+    home: Path
+    ports: tuple[int, int]
+    argv: list[str]
+    env: dict[str, str]
+    proc: Proc | None = None
+
+    @property
+    def token_file(self) -> Path:
+        return self.home / "token"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.home / "state"
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.home / "weights"
+
+    def start(self, *extra: str, urls: Sequence[str] = ()) -> Proc:
+        """A new incarnation (its own log), optionally with other control-plane addresses."""
+        argv = list(self.argv)
+        if urls:
+            argv = [a for i, a in enumerate(argv) if not _is_control_plane_arg(argv, i)]
+            argv += [a for url in urls for a in ("--control-plane", url)]
+        self.proc = Proc(f"agent-{self.name}", [*argv, *extra], self.home / "logs", self.env)
+        return self.proc.start()
+
+    def shard_pids(self) -> dict[int, int]:
+        """Shard id → engine pid, from the agent's own record of what it runs."""
+        try:
+            data = json.loads((self.state_dir / "shards.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return {
+            int(s["spec"]["shard_id"]): int(s["pid"])
+            for s in data.get("shards", [])
+            if process_start_ticks(int(s["pid"])) == s["start"]  # still that very process
+        }
+
+    def engines(self) -> dict[int, list[int]]:
+        """Shard id → pids of the live engines serving it on this node, as the OS sees them."""
+        found: dict[int, list[int]] = defaultdict(list)
+        for pid, env in engine_processes():
+            port = engine_port(pid) or 0
+            if self.ports[0] <= port <= self.ports[1]:
+                found[int(env["LLMGW_SHARD_ID"])].append(pid)
+        return dict(found)
+
+    def free_port(self) -> int:
+        """A port in this agent's window that nothing listens on."""
+        for port in random.sample(range(self.ports[0], self.ports[1] + 1), PORT_WINDOW):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+        raise AssertionError(f"no free port in {self.ports}")
+
+
+def _is_control_plane_arg(argv: list[str], i: int) -> bool:
+    return argv[i] == "--control-plane" or (i > 0 and argv[i - 1] == "--control-plane")
 
 
 @dataclass
 class Cluster:
-    tmp: Path
-    redis_port: int = 0
-    redis: Service | None = None
+    root: Path
+    settings: dict[str, str] = field(default_factory=lambda: dict(FAST))
+    redis: RedisServer | None = None
     control_planes: list[ControlPlane] = field(default_factory=list)
     agents: dict[str, Agent] = field(default_factory=dict)
-    next_engine_port: int = 24000
 
-    # --- the broker --------------------------------------------------------------------
-
-    def start_redis(self) -> None:
-        if not self.redis_port:
-            self.redis_port = free_port()
-        argv = [
-            "redis-server",
-            "--port",
-            str(self.redis_port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        self.redis = Service("redis", argv, dict(os.environ), self.tmp / "redis.log").start()
-        wait_until(self._redis_answers, 10, "redis to answer")
-
-    def _redis_answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.redis_port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    @property
-    def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+    def start_redis(self) -> RedisServer:
+        self.redis = RedisServer(self.root / "redis").start()
+        return self.redis
 
     # --- control planes ----------------------------------------------------------------
 
-    def add_control_plane(self, *, via_proxy: bool = False, **settings: str) -> ControlPlane:
+    def add_control_plane(
+        self, *, reconciler: bool = True, via_proxy: bool = False, port: int = 0, **settings: str
+    ) -> ControlPlane:
+        """A control plane on the test database; ``via_proxy`` routes its store connections
+        through a :class:`TcpProxy` (PostgreSQL) so that the test can cut this host off."""
+        assert self.redis is not None, "start_redis() first"
         name = f"cp{len(self.control_planes) + 1}"
-        var = self.tmp / name
+        var = self.root / name
         var.mkdir(parents=True, exist_ok=True)
-        env = child_env(REDIS_URL=self.redis_url, LLMGW_VAR_DIR=str(var), **{**FAST, **settings})
+        env = child_env(
+            REDIS_URL=self.redis.url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
+        )
         proxy = None
         if via_proxy and connection.vendor == "postgresql":
             proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
             env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
-        port = free_port()
-        web = Service(
-            f"{name}-web",
-            [
-                PYTHON,
-                "-m",
-                "daphne",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "llmgw_site.asgi:application",
-            ],
-            env,
-            var / "web.log",
-        )
-        worker = Service(
-            f"{name}-worker",
-            [
-                PYTHON,
-                "-m",
-                "celery",
-                "-A",
-                "llmgw_site",
-                "worker",
-                "--pool",
-                "solo",
-                "-n",
-                f"{name}@%h",
-                "--loglevel",
-                "info",
-            ],
-            env,
-            var / "worker.log",
-        )
-        beat = Service(
-            f"{name}-beat",
-            [
-                PYTHON,
-                "-m",
-                "celery",
-                "-A",
-                "llmgw_site",
-                "beat",
-                "--schedule",
-                str(var / "beat-schedule"),
-                "--loglevel",
-                "warning",
-            ],
-            env,
-            var / "beat.log",
-        )
-        plane = ControlPlane(name, web, worker, beat, f"http://127.0.0.1:{port}", proxy)
-        for service in plane.services():
-            service.start()
+        plane = ControlPlane(name, var, env, port, proxy=proxy)
         self.control_planes.append(plane)
+        plane.web = web_process(f"{name}-web", var / "logs", env, port=port)
+        plane.port = plane.web.port
+        if reconciler:
+            # As ``manage.py run`` starts them, plus task events (-E) for TaskEvents.
+            worker = celery_argv("worker", "--pool", "solo", "-n", f"{name}@%h", "-E")
+            plane.worker = Proc(f"{name}-worker", worker, var / "logs", env).start()
+            beat = celery_argv("beat", "--schedule", str(var / "beat-schedule"))
+            plane.beat = Proc(f"{name}-beat", beat, var / "logs", env).start()
         return plane
 
     # --- agents ------------------------------------------------------------------------
 
-    def add_agent(self, name: str, gpus: str = "2x80GiB") -> Agent:
-        token_file = self.tmp / "agents" / name / "token"
-        token_file.parent.mkdir(parents=True, exist_ok=True)
-        token_file.write_text(nodes.issue_node_token(name) + "\n")
-        low = self.next_engine_port
-        self.next_engine_port += 50
-        argv = [PYTHON, "-m", "agents", "--node", name, "--token-file", str(token_file)]
-        for plane in self.control_planes:
-            argv += ["--control-plane", plane.url]
+    def add_agent(
+        self, name: str, *extra: str, gpus: str = "2x80GiB", urls: Sequence[str] = ()
+    ) -> Agent:
+        """An agent for node ``name`` (its token issued now), connected to every control
+        plane unless ``urls`` says otherwise."""
+        home = self.root / "agents" / name
+        home.mkdir(parents=True, exist_ok=True)
+        low, high = port_window({a.ports[0] for a in self.agents.values()})
+        argv = [PYTHON, "-m", "agents", "--node", name]
+        for url in urls or [p.url for p in self.control_planes]:
+            argv += ["--control-plane", url]
         argv += [
-            "--simulate-gpus",
-            gpus,
-            "--port-range",
-            f"{low}-{low + 49}",
-            "--advertise-address",
-            "127.0.0.1",
-            "--engine-host",
-            "127.0.0.1",
-            "--state-dir",
-            str(token_file.parent / "state"),
-            "--weights-dir",
-            str(token_file.parent / "weights"),
-            "--backoff-base",
-            "0.2",
-            "--backoff-max",
-            "1",
-            "--stop-grace",
-            "3",
-        ]
-        env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "SECRET_KEY"}}
-        service = Service(f"agent-{name}", argv, env, token_file.parent / "agent.log").start()
-        agent = Agent(name, service, (low, low + 49))
+            "--token-file", str(home / "token"),
+            "--simulate-gpus", gpus,
+            "--port-range", f"{low}-{high}",
+            "--advertise-address", "127.0.0.1",
+            "--engine-host", "127.0.0.1",
+            "--state-dir", str(home / "state"),
+            "--weights-dir", str(home / "weights"),
+            "--backoff-base", "0.2",
+            "--backoff-max", "1",
+            "--stop-grace", "3",
+            "--ping-timeout", "3",
+        ]  # fmt: skip
+        # An agent knows nothing of the store or of our settings.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_", "LLMGW_"))}
+        env.pop("SECRET_KEY", None)
+        agent = Agent(name, home, (low, high), argv, env)
+        self.issue_token(agent)
         self.agents[name] = agent
+        agent.start(*extra)
         return agent
 
-    def restart_agent(self, name: str) -> Agent:
-        agent = self.agents[name]
-        agent.service.start()
-        return agent
+    @staticmethod
+    def issue_token(agent: Agent) -> str:
+        """A fresh token in the agent's token file (the old one stops working)."""
+        token = nodes.issue_node_token(agent.name)
+        agent.token_file.write_text(token + "\n")
+        agent.token_file.chmod(0o600)
+        return token
 
     def node_of_port(self, port: int) -> str | None:
         for agent in self.agents.values():
-            if agent.port_range[0] <= port <= agent.port_range[1]:
+            if agent.ports[0] <= port <= agent.ports[1]:
                 return agent.name
         return None
 
     # --- the whole -----------------------------------------------------------------------
 
+    def processes(self) -> list[Proc]:
+        procs = [p for plane in self.control_planes for p in plane.services()]
+        procs += [a.proc for a in self.agents.values() if a.proc is not None]
+        return procs
+
     def stop(self) -> None:
-        for agent in self.agents.values():
-            agent.service.stop()
+        # Every agent is told at once (each stops its own shards), then the control planes.
+        agents = [a.proc for a in self.agents.values() if a.proc is not None]
+        for proc in agents:
+            proc.signal(signal.SIGCONT)
+            proc.signal(signal.SIGTERM)
+        for proc in agents:
+            proc.stop()
         for plane in self.control_planes:
             for service in plane.services():
                 service.stop()
             if plane.proxy is not None:
                 plane.proxy.close()
-        for pid, _ in engine_processes():
-            if self.node_of_port(_port_of(pid) or 0):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        # Engines of an agent that was killed outlive it (on purpose); end them here.
+        for agent in self.agents.values():
+            for pids in agent.engines().values():
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
         if self.redis is not None:
             self.redis.stop()
 
-    def logs(self) -> str:
-        parts = []
-        for plane in self.control_planes:
-            for service in plane.services():
-                parts.append(f"===== {service.name}\n{service.output()[-6000:]}")
-        for agent in self.agents.values():
-            parts.append(f"===== {agent.service.name}\n{agent.service.output()[-4000:]}")
-        return "\n".join(parts)
+
+# --- Celery task events, as a monitor receives them ------------------------------------------
+
+
+class TaskEvents:
+    """The task events the workers send (``-E``), received on a thread of their own from the
+    cluster's broker; it reconnects when the broker restarts."""
+
+    def __init__(self, broker_url: str) -> None:
+        self.broker_url = broker_url
+        self.events: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._receiver: Any = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @contextmanager
+    def running(self) -> Iterator[TaskEvents]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            if self._receiver is not None:
+                self._receiver.should_stop = True
+            self._thread.join(30)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        if event.get("type", "").startswith("task-"):
+            with self.lock:
+                self.events.append(event)
+
+    def _run(self) -> None:
+        from kombu.connection import Connection
+
+        from llmgw_site.celery import app
+
+        while not self._stop.is_set():
+            try:
+                with Connection(self.broker_url) as conn:
+                    self._receiver = app.events.Receiver(conn, handlers={"*": self._on_event})
+                    self._receiver.capture(limit=None, timeout=None, wakeup=True)
+            except Exception:  # the broker is down on purpose: try again
+                self._stop.wait(0.2)
+
+    def of(self, kind: str, *, host: str = "", after: float = 0.0) -> list[dict[str, Any]]:
+        """Events ``task-KIND`` (received, started, succeeded, revoked...) from workers whose
+        name starts with ``host``, stamped after ``after`` (epoch seconds)."""
+        with self.lock:
+            return [
+                e
+                for e in self.events
+                if e["type"] == f"task-{kind}"
+                and e.get("hostname", "").startswith(host)
+                and e.get("timestamp", 0) > after
+            ]
+
+
+def queued_ticks(redis: RedisServer) -> int:
+    """Tick messages waiting in the broker's queue, not yet taken by any worker."""
+    with socket.create_connection(("127.0.0.1", redis.port), timeout=5) as sock:
+        sock.sendall(b"LLEN celery\r\n")
+        reply = sock.recv(64)
+    assert reply.startswith(b":"), reply
+    return int(reply[1:].split(b"\r\n")[0])
 
 
 # --- leadership, as the database shows it --------------------------------------------------
@@ -390,10 +441,11 @@ def leader_worker(cluster: Cluster) -> ControlPlane | None:
     if not row or not row[0]:
         return None
     pid = row[0].split(":")[1]
-    return next((p for p in cluster.control_planes if str(p.worker.pid) == pid), None)
+    return next((p for p in cluster.control_planes if p.worker and str(p.worker.pid) == pid), None)
 
 
 def lease_state() -> tuple[str, int]:
+    """(owner, epoch) of the live reconciler lease; ("", 0) when nobody holds one."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT owner, epoch FROM control_lease WHERE name = 'reconciler' "
@@ -412,44 +464,48 @@ def writes_by_epoch_in_commit_order() -> list[int]:
     )
 
 
-# --- engines as the operating system sees them ---------------------------------------------
+def steal_lease(owner: str = "thief:0:0", ttl_ms: int = 60_000) -> int:
+    """Another owner takes the lease now (as after an expiry); returns the new epoch."""
+    row = execute_now(
+        "UPDATE control_lease SET owner = %s, epoch = epoch + 1, "
+        "expires_at_ms = llmgw_clock_ms() + %s WHERE name = 'reconciler' RETURNING epoch",
+        (owner, ttl_ms),
+    )
+    assert row is not None
+    return int(row[0])
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
+def release_stolen_lease(owner: str = "thief:0:0") -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE control_lease SET owner = '', expires_at_ms = 0 WHERE owner = %s", [owner]
+        )
 
 
-def _port_of(pid: int) -> int | None:
-    argv = _cmdline(pid)
-    if "--port" in argv:
-        try:
-            return int(argv[argv.index("--port") + 1])
-        except (ValueError, IndexError):
-            return None
-    return None
+# --- the fleet, as the database shows it ---------------------------------------------------
 
 
-def engine_processes() -> Iterator[tuple[int, dict[str, str]]]:
-    """Live ``agents.sim`` engines started by an agent (they carry LLMGW_SHARD_ID)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        if "agents.sim" not in _cmdline(pid):
-            continue
-        try:
-            raw = (entry / "environ").read_bytes().decode(errors="replace")
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        if "State:\tZ" in status:
-            continue
-        env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
-        if "LLMGW_SHARD_ID" in env:
-            yield pid, env
+def ready_replicas(model: str) -> int:
+    return Replica.objects.filter(
+        model__name=model, desired=Replica.Desired.RUNNING, observed=Replica.Observed.READY
+    ).count()
+
+
+def shard_nodes(model: str) -> set[str]:
+    return set(
+        Shard.objects.filter(
+            replica__model__name=model, replica__desired=Replica.Desired.RUNNING
+        ).values_list("node__name", flat=True)
+    )
+
+
+def node_health(name: str) -> str:
+    return str(Node.objects.filter(name=name).values_list("health", flat=True).first())
+
+
+def heartbeat_after(name: str, moment: Any) -> bool:
+    """The store has a heartbeat from node ``name`` later than ``moment``."""
+    return Node.objects.filter(name=name, last_heartbeat_at__gt=moment).exists()
 
 
 class InvariantChecker:
@@ -471,7 +527,7 @@ class InvariantChecker:
             yield self
         finally:
             self._stop.set()
-            self._thread.join(10)
+            self._thread.join(30)
 
     def _run(self) -> None:
         try:
@@ -515,7 +571,7 @@ class InvariantChecker:
 
         in_use: dict[tuple[str, str], list[int]] = defaultdict(list)
         for pid, env in engine_processes():
-            node = self.cluster.node_of_port(_port_of(pid) or 0)
+            node = self.cluster.node_of_port(engine_port(pid) or 0)
             if node is None:
                 continue
             for gpu in env.get("CUDA_VISIBLE_DEVICES", "").split(","):
@@ -524,95 +580,3 @@ class InvariantChecker:
         for (node, gpu), pids in in_use.items():
             if len(pids) > 1:
                 self.violations.append(f"engines: {node} gpu {gpu} used by pids {pids}")
-
-
-def ready_replicas(model: str) -> int:
-    return Replica.objects.filter(
-        model__name=model, desired=Replica.Desired.RUNNING, observed=Replica.Observed.READY
-    ).count()
-
-
-def shard_nodes(model: str) -> set[str]:
-    return set(
-        Shard.objects.filter(
-            replica__model__name=model, replica__desired=Replica.Desired.RUNNING
-        ).values_list("node__name", flat=True)
-    )
-
-
-def node_health(name: str) -> str:
-    return str(Node.objects.values_list("health", flat=True).get(name=name))
-
-
-# --- ticks, as a worker's log shows them ------------------------------------------------------
-
-_TICK = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*tick: leader epoch")
-
-
-def tick_times(log: str) -> list[float]:
-    """Wall-clock times (epoch seconds) of the ticks a worker ran as leader."""
-    from datetime import datetime
-
-    times = []
-    for line in log.splitlines():
-        match = _TICK.match(line)
-        if match:
-            stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
-            times.append(stamp.timestamp())
-    return times
-
-
-@contextmanager
-def table_locked(table: str, *then: str, mode: str = "ACCESS EXCLUSIVE") -> Iterator[None]:
-    """Hold an ACCESS EXCLUSIVE lock on ``table`` (PostgreSQL) from a connection of its own:
-    every tick that touches it waits, as a slow store would make it. Statements in ``then``
-    run in the same transaction and commit with the release, so the waiting tick sees them."""
-    import psycopg
-
-    settings = connection.settings_dict
-    with psycopg.connect(
-        host=settings.get("HOST") or "127.0.0.1",
-        port=int(settings.get("PORT") or 5432),
-        user=settings.get("USER") or "postgres",
-        dbname=settings["NAME"],
-    ) as conn:
-        conn.execute(f"LOCK TABLE {table} IN {mode} MODE")
-        for statement in then:
-            conn.execute(statement)
-        yield
-        conn.commit()
-
-
-def execute_now(sql: str, params: tuple[Any, ...] = ()) -> Any:
-    """Run one statement on a connection of its own, committed at once (while the test's own
-    connection may be waiting on a lock)."""
-    import psycopg
-
-    settings = connection.settings_dict
-    with psycopg.connect(
-        host=settings.get("HOST") or "127.0.0.1",
-        port=int(settings.get("PORT") or 5432),
-        user=settings.get("USER") or "postgres",
-        dbname=settings["NAME"],
-        autocommit=True,
-    ) as conn:
-        cursor = conn.execute(sql, params)
-        return cursor.fetchone() if cursor.description else None
-
-
-def steal_lease(owner: str = "thief:0:0", ttl_ms: int = 60_000) -> int:
-    """Another owner takes the lease now (as after an expiry); returns the new epoch."""
-    row = execute_now(
-        "UPDATE control_lease SET owner = %s, epoch = epoch + 1, "
-        "expires_at_ms = llmgw_clock_ms() + %s WHERE name = 'reconciler' RETURNING epoch",
-        (owner, ttl_ms),
-    )
-    assert row is not None
-    return int(row[0])
-
-
-def release_stolen_lease(owner: str = "thief:0:0") -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE control_lease SET owner = '', expires_at_ms = 0 WHERE owner = %s", [owner]
-        )

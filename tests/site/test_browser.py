@@ -22,7 +22,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,13 +32,14 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from control.models import Event, Profile, ServedModel
+from control.models import Event, ServedModel
 from gateway.keys import KEY_PREFIX
 from gateway.models import ApiKey, UsageRecord
-from tests.harness.browser import Browser, wait_for
+from tests.harness.browser import Browser
 from tests.harness.cluster import Cluster, ready_replicas
-from tests.harness.factories import PASSWORD, make_user
+from tests.harness.factories import PASSWORD, make_key, make_model, make_user
 from tests.harness.procs import REPO_ROOT
+from tests.harness.waits import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True), pytest.mark.timeout(420)]
 
@@ -47,30 +48,8 @@ ALICE_REQUESTS = 14
 BOB_REQUESTS = 5
 
 
-def add_model(name: str, **fields: Any) -> ServedModel:
-    profile = Profile.objects.create(
-        name=f"{name}-sim",
-        engine="sim",
-        gpus_per_shard=fields.pop("gpus", 1),
-        gpu_memory_mib=fields.pop("gpu_memory_mib", 0),
-        startup_timeout_s=30,
-    )
-    model = ServedModel.objects.create(
-        name=name, source=f"test/{name}", default_profile=profile, **fields
-    )
-    model.profiles.add(profile)
-    return model
-
-
-def issue(username: str) -> tuple[str, ApiKey]:
-    from gateway import keys
-
-    issued = keys.issue(username, name=f"{username}-laptop")
-    return issued.key, issued.api_key
-
-
 def send_traffic(base_url: str, key: str, count: int, model: str = "llama3") -> None:
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=30)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=120)
     for i in range(count):
         reply = client.chat.completions.create(
             model=model,
@@ -120,22 +99,15 @@ def write_history(api_key: ApiKey, model: str, *, minutes: int, days: int, seed:
 
 @pytest.fixture
 def running_cluster(tmp_path: Path) -> Iterator[Cluster]:
-    # Engines get ports from a range of this run's own, below the ephemeral range, so that
-    # another suite running on the same machine cannot hold them.
-    cluster = Cluster(tmp_path / "cluster", next_engine_port=20000 + (os.getpid() % 200) * 60)
-    (tmp_path / "cluster").mkdir()
+    cluster = Cluster(tmp_path / "cluster")
     cluster.start_redis()
     try:
         cluster.add_control_plane()
         cluster.add_agent("gpu-a", gpus="2x80GiB")
         cluster.add_agent("gpu-b", gpus="4x24GiB")
         yield cluster
-    except BaseException:
-        print(cluster.logs())
-        raise
     finally:
         cluster.stop()
-        print(f"\n(cluster logs under {tmp_path})")
 
 
 @pytest.fixture
@@ -155,6 +127,10 @@ def save(browser: Browser, tmp_path: Path, name: str, *, full_page: bool = True)
     return shot
 
 
+def dashboard_loaded(browser: Browser) -> Callable[[], Any]:
+    return lambda: browser.eval("document.getElementById('llmgw-dashboard').dataset.loaded")
+
+
 def sign_in(browser: Browser, url: str, username: str) -> None:
     browser.goto(url)
     browser.type("#id_username", username)
@@ -170,34 +146,31 @@ def test_dashboard_and_account_pages_in_a_real_browser_over_a_real_cluster(
     make_user("root", superuser=True)
     make_user("alice")
     make_user("bob")
-    add_model("llama3", min_replicas=1, max_replicas=1, gpu_memory_mib=60 * 1024)
-    add_model("qwen2-7b", min_replicas=1, max_replicas=1, gpu_memory_mib=16 * 1024)
-    add_model("giant", min_replicas=1, gpu_memory_mib=400 * 1024)
+    make_model("llama3", min_replicas=1, max_replicas=1, memory_gib=60, startup_timeout_s=30)
+    make_model("qwen2-7b", min_replicas=1, max_replicas=1, memory_gib=16, startup_timeout_s=30)
+    make_model("giant", min_replicas=1, memory_gib=400, startup_timeout_s=30)
 
-    wait_for(
+    wait_until(
         lambda: ready_replicas("llama3") == 1 and ready_replicas("qwen2-7b") == 1,
-        90,
-        "llama3 and qwen2-7b to be placed and ready",
+        what="llama3 and qwen2-7b to be placed and ready",
     )
-    wait_for(
+    wait_until(
         lambda: ServedModel.objects.get(name="giant").placement_note,
-        30,
-        "the reconciler to say why giant cannot be placed",
+        what="the reconciler to say why giant cannot be placed",
     )
-    alice_key, alice = issue("alice")
-    bob_key, bob = issue("bob")
-    wait_for(lambda: _serves(base, alice_key), 30, "the gateway to route llama3")
-    wait_for(lambda: _serves(base, bob_key, "qwen2-7b"), 30, "the gateway to route qwen2-7b")
+    alice_key, alice = make_key("alice", name="alice-laptop")
+    bob_key, bob = make_key("bob", name="bob-laptop")
+    wait_until(lambda: _serves(base, alice_key), what="the gateway to route llama3")
+    wait_until(lambda: _serves(base, bob_key, "qwen2-7b"), what="the gateway to route qwen2-7b")
     send_traffic(base, alice_key, ALICE_REQUESTS)
     send_traffic(base, bob_key, BOB_REQUESTS, model="qwen2-7b")
     # +1 each: the request that found the route.
-    wait_for(
+    wait_until(
         lambda: (
             UsageRecord.objects.filter(api_key=alice).count() == ALICE_REQUESTS + 1
             and UsageRecord.objects.filter(api_key=bob).count() == BOB_REQUESTS + 1
         ),
-        20,
-        "usage rows for every request",
+        what="usage rows for every request",
     )
     history = write_history(alice, "llama3", minutes=60, days=30, seed=1)
     history += write_history(bob, "qwen2-7b", minutes=60, days=0, seed=2)
@@ -205,8 +178,7 @@ def test_dashboard_and_account_pages_in_a_real_browser_over_a_real_cluster(
     # --- staff: the dashboard --------------------------------------------------------------
     sign_in(browser, f"{base}/admin/login/?next=/admin/", "root")
     assert browser.url == f"{base}/admin/"
-    wait_for(lambda: browser.eval("document.getElementById('llmgw-dashboard').dataset.loaded"),
-             20, "the dashboard's first poll")  # fmt: skip
+    wait_until(dashboard_loaded(browser), what="the dashboard's first poll")
     nodes = browser.text("#lg-nodes")
     assert "gpu-a" in nodes and "gpu-b" in nodes
     assert re.search(r"llama3#\d+", nodes), nodes  # the GPU holding the replica is labelled
@@ -229,14 +201,13 @@ def test_dashboard_and_account_pages_in_a_real_browser_over_a_real_cluster(
     marker = "browser-test marker event"
     Event.objects.create(kind=Event.Kind.OPERATOR, subject="test/browser", message=marker)
     before = browser.eval("performance.timeOrigin")
-    browser.wait_text("#lg-events", marker, timeout=15)
+    browser.wait_text("#lg-events", marker)
     assert browser.eval("performance.timeOrigin") == before
 
     # On a phone: one column, nothing wider than the screen.
     browser.viewport(390, 844, mobile=True)
     browser.goto(f"{base}/admin/")
-    wait_for(lambda: browser.eval("document.getElementById('llmgw-dashboard').dataset.loaded"),
-             20, "the dashboard on a phone")  # fmt: skip
+    wait_until(dashboard_loaded(browser), what="the dashboard on a phone")
     assert browser.eval("document.documentElement.scrollWidth") <= 390
     save(browser, tmp_path, "dashboard-phone.png", full_page=False)
     browser.viewport(1366, 900)
@@ -245,13 +216,11 @@ def test_dashboard_and_account_pages_in_a_real_browser_over_a_real_cluster(
     browser.goto(f"{base}/admin/gateway/apikey/add/")
     browser.click(".field-user .select2-selection")
     browser.page("Input.insertText", {"text": "alice"})
-    wait_for(
+    wait_until(
         lambda: browser.eval(
             "(e => e && e.innerText)"
             "(document.querySelector('.select2-results__option--highlighted'))"
-        ) == "alice",
-        10,
-        "the user search to offer alice",
+        ) == "alice", what="the user search to offer alice",
     )  # fmt: skip
     browser.press("Enter", 13)
     browser.type("#id_name", "made-in-the-browser")
@@ -269,7 +238,7 @@ def test_dashboard_and_account_pages_in_a_real_browser_over_a_real_cluster(
     browser.goto(f"{base}/admin/gateway/apikey/{row.pk}/change/")
     assert new_key not in browser.eval("document.documentElement.outerHTML")
     # The new key works against /v1: it is a real key.
-    wait_for(lambda: _serves(base, new_key), 15, "the new key to be accepted")
+    wait_until(lambda: _serves(base, new_key), what="the new key to be accepted")
 
     # --- a user who is not staff --------------------------------------------------------------
     browser.submit("#logout-form button")
@@ -307,7 +276,7 @@ def test_dashboard_and_account_pages_in_a_real_browser_over_a_real_cluster(
 
 
 def _serves(base: str, key: str, model: str = "llama3") -> bool:
-    client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=10)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
     try:
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "ping"}], max_tokens=1

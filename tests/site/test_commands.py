@@ -123,7 +123,7 @@ def test_list_replicas_shows_where_each_runs() -> None:
     )
     lines = run("list_replicas").splitlines()
     assert len(lines) == 2
-    assert lines[1].split()[:5] == [str(running.pk), "llama3", "sim-1gpu", "running", "ready"]
+    assert lines[1].split()[:5] == [str(running.pk), "llama3", "llama3-sim", "running", "ready"]
     assert f"gpu-1:0,1:{running.shards.get().port}" in lines[1]
     assert len(json.loads(run("list_replicas", "--all", "--json"))) == 2
     with pytest.raises(CommandError, match="no model 'nope'"):

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import httpx
@@ -16,8 +15,9 @@ from django.core.management import call_command
 from django.test import AsyncClient
 
 from control import leases
-from tests.harness.procs import REPO_ROOT, free_port
-from tests.harness.store import child_env
+from tests.harness.procs import REPO_ROOT, Proc, alive, free_port, port_window
+from tests.harness.store import process_env
+from tests.harness.waits import wait_until
 
 
 @pytest.mark.django_db
@@ -103,48 +103,43 @@ def test_run_starts_every_process_on_one_port_and_stops_them_all(tmp_path: Any) 
     serves /healthz from two web processes on one port beside the worker, beat and local
     agent, and Ctrl-C leaves nothing running."""
     port = free_port()
-    env = child_env(
-        LLMGW_VAR_DIR=str(tmp_path), LLMGW_WEB_PROCESSES="2", LLMGW_PORT_RANGE="23900-23949"
+    env = process_env(
+        LLMGW_VAR_DIR=str(tmp_path),
+        LLMGW_WEB_PROCESSES="2",
+        LLMGW_PORT_RANGE="{}-{}".format(*port_window()),
     )
     env["DATABASE_URL"] = f"sqlite:///{tmp_path / 'run.sqlite3'}"
     command = [sys.executable, "manage.py", "run", "--port", str(port)]
-    process = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    first = Proc("run", command, tmp_path / "logs", env, port=port).start()
     try:
-        deadline = time.monotonic() + 60
-        pids: set[str] = set()
-        while time.monotonic() < deadline:
+
+        def healthy() -> Any:
             try:
-                response = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-                if response.status_code == 200:
-                    break
+                response = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
             except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        assert response.json()["database"] == "reachable"
+                return None
+            return response.status_code == 200 and response.json()
+
+        assert wait_until(healthy, what="/healthz", logs=[first])["database"] == "reachable"
         children = subprocess.run(
-            ["pgrep", "-P", str(process.pid)], capture_output=True, text=True, check=False
+            ["pgrep", "-P", str(first.pid)], capture_output=True, text=True, check=False
         ).stdout.split()
-        pids = set(children)
+        pids = {int(pid) for pid in children}
         assert len(pids) == 5, children  # 2 web, worker, beat, agent
     finally:
-        process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=30)
-    assert process.returncode == 0, output
+        first.signal(signal.SIGINT)
+        code = first.wait(120)
+    output = first.log()
+    assert code == 0, output
     assert f"OpenAI base_url for clients: http://127.0.0.1:{port}/v1" in output
     assert "admin user:    admin / " in output
     for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}"), f"web process {pid} still running"
+        assert not alive(pid), f"process {pid} still running"
 
-    second = subprocess.Popen(
-        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    deadline = time.monotonic() + 60
-    output = ""
-    assert second.stdout is not None
-    while time.monotonic() < deadline and "Ctrl-C" not in output:
-        output += second.stdout.readline()
-    second.send_signal(signal.SIGINT)
-    output += second.communicate(timeout=30)[0]
-    assert "admin user:    admin (its password was shown when it was created)" in output, output
+    second = Proc("run", command, tmp_path / "logs", env, port=port).start()
+    try:
+        wait_until(lambda: "Ctrl-C" in second.log(), what="the banner again", logs=[second])
+    finally:
+        second.signal(signal.SIGINT)
+        second.wait(120)
+    assert "admin user:    admin (its password was shown when it was created)" in second.log()

@@ -21,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from control import leases
 from control.models import Node
 from llmgw_site import metrics
-from tests.harness.factories import make_model, make_node, make_replica
-from tests.harness.live import Proc, http, make_key, serve_model, start_sim, start_web
-from tests.harness.procs import REPO_ROOT
-from tests.harness.store import child_env
+from tests.harness.factories import make_key, make_model, make_node, make_replica, serve_model
+from tests.harness.live import http, start_sim, start_web, stop_checked
+from tests.harness.procs import REPO_ROOT, Proc
+from tests.harness.store import process_env
 from tests.harness.waits import wait_until
 
 TOKEN = "metrics-test-token-0123456789"
@@ -231,7 +231,7 @@ def test_a_dead_processes_live_gauges_are_dropped_and_its_counters_kept(tmp_path
         " ttft_s=0.1, duration_s=0.2)\n"
         "os._exit(0)\n"  # like kill -9: no clean-up at exit
     )
-    env = child_env(PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    env = process_env(PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, check=True, timeout=60)
 
     def collected() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -275,25 +275,29 @@ def test_promtool_accepts_a_scrape_with_every_family_populated(token: str) -> No
 # --------------------------------------------------------------------------- two web processes
 
 
-@pytest.fixture
-def two_web_processes(tmp_path: Path, transactional_db: Any) -> Iterator[tuple[Proc, Proc, Proc]]:
-    shared = tmp_path / "prometheus"
+@pytest.fixture(scope="module")
+def two_web_processes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """One engine and two web processes sharing their metrics, for the module: each test
+    sends its traffic for a model of its own, so its counts are its own."""
+    tmp = tmp_path_factory.mktemp("metrics")
+    shared = tmp / "prometheus"
     shared.mkdir()
     env = {"PROMETHEUS_MULTIPROC_DIR": str(shared), "LLMGW_METRICS_TOKEN": TOKEN}
     started: list[Proc] = []
     try:
-        started.append(start_sim(tmp_path, ["metrics-chat"]))
+        started.append(start_sim(tmp, ["metrics-chat", "metrics-count"]))
         for i in range(2):
-            (tmp_path / f"w{i}").mkdir()
-            started.append(start_web(tmp_path / f"w{i}", **env))
+            started.append(start_web(tmp / f"w{i}", **env))
         yield started[0], started[1], started[2]
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        stop_checked(*started[1:])
+        started[0].stop()
 
 
-def listed(client: openai.OpenAI) -> bool:
-    return "metrics-chat" in [m.id for m in client.models.list().data]
+def listed(client: openai.OpenAI, model: str = "metrics-chat") -> bool:
+    return model in [m.id for m in client.models.list().data]
 
 
 def scrape(web: Proc) -> str:
@@ -305,6 +309,7 @@ def scrape(web: Proc) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
 def test_promtool_passes_on_a_scrape_taken_while_traffic_flows_through_two_web_processes(
     two_web_processes: tuple[Proc, Proc, Proc],
 ) -> None:
@@ -352,23 +357,24 @@ def test_promtool_passes_on_a_scrape_taken_while_traffic_flows_through_two_web_p
 
 
 @pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
 def test_v1_requests_through_two_web_processes_are_counted_once_each(
     two_web_processes: tuple[Proc, Proc, Proc],
 ) -> None:
     sim, web_a, web_b = two_web_processes
-    serve_model("metrics-chat", [sim.port])
+    serve_model("metrics-count", [sim.port])
     key, _ = make_key("metrics-user")
     for web in (web_a, web_a, web_b):
         c = openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=20)
-        wait_until(partial(listed, c))
+        wait_until(partial(listed, c, "metrics-count"))
         c.chat.completions.create(
-            model="metrics-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            model="metrics-count", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
     text = scrape(web_b)
-    assert value(text, "llmgw_requests_total", model="metrics-chat", status="200") == 3
-    assert value(text, "llmgw_tokens_total", model="metrics-chat", kind="completion") == 9
+    assert value(text, "llmgw_requests_total", model="metrics-count", status="200") == 3
+    assert value(text, "llmgw_tokens_total", model="metrics-count", kind="completion") == 9
     counts = value(
-        text, "llmgw_time_to_first_token_seconds_count", model="metrics-chat", status="200"
+        text, "llmgw_time_to_first_token_seconds_count", model="metrics-count", status="200"
     )
     assert counts == 3
     assert json.dumps(text)  # the whole exposition is text
