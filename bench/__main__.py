@@ -9,9 +9,11 @@ drift hits all alike (see ``shared/BENCHMARK.md``):
 - L2: llmgw on daphne (auth, limits check, routing, usage accounting on).
 
 Two more targets price single choices: L2 with usage accounting off, and L2 with ``/v1`` on
-Django's stock handler and middleware (what ``gateway.asgi.GatewayHandler`` saves).
-Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0. The table
-is printed and written as JSON to ``$BENCH_JSON`` (default ``var/bench.json``).
+Django's stock handler and middleware (what ``gateway.asgi.GatewayHandler`` saves). Every
+gateway is the web server ``manage.py run`` starts (the launcher's command line).
+Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0. Then the
+control plane's figures (``bench/control.py``): cold start and failover. The table is printed
+and written as JSON to ``$BENCH_JSON`` (default ``var/bench.json``).
 
     python -m bench [--quick]
 """
@@ -23,8 +25,8 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -34,7 +36,8 @@ from typing import Any
 
 import aiohttp
 
-from tests.harness.procs import free_port
+from bench import control
+from tests.harness.procs import Proc, free_port, web_process
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "var" / "bench"
@@ -47,7 +50,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]
 class Target:
     name: str
     url: str  # base, without /v1
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Proc | None = None
 
     def cpu_seconds(self) -> float:
         if self.proc is None:
@@ -69,39 +72,19 @@ class Target:
 class Stack:
     key: str
     targets: dict[str, Target]
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
 
     def stop(self) -> None:
         for proc in self.procs:
-            proc.terminate()
+            proc.signal(signal.SIGTERM)
         for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.stop()
 
 
-def _spawn(args: list[str], env: dict[str, str], log: Path, cpu: int) -> subprocess.Popen[bytes]:
-    with log.open("wb") as handle:
-        proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT)
-    if hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > cpu:  # type: ignore[operator]
+def pin(proc: Proc, cpu: int) -> Proc:
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > cpu:
         os.sched_setaffinity(proc.pid, {cpu})
     return proc
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"a benchmark process exited early ({proc.args!r})")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"port {port} did not open")
 
 
 def setup() -> Stack:
@@ -120,47 +103,32 @@ def setup() -> Stack:
     import django
 
     django.setup()
-    from django.contrib.auth import get_user_model
     from django.core.management import call_command
 
-    from control.models import Node, Profile, Replica, ServedModel, Shard
-    from gateway import keys
+    from tests.harness.factories import make_key, serve_model
 
     call_command("migrate", verbosity=0)
-    sim_port = free_port()
-    get_user_model().objects.create_user(username="bench")
-    key = keys.issue("bench").key
-    profile = Profile.objects.create(name="bench")
-    model = ServedModel.objects.create(name=MODEL, source=MODEL, default_profile=profile)
-    node = Node.objects.create(name="local", addresses=["127.0.0.1"])
-    Node.objects.filter(pk=node.pk).update(health=Node.Health.READY)
-    replica = Replica.objects.create(model=model, profile=profile)
-    Replica.objects.filter(pk=replica.pk).update(observed=Replica.Observed.READY)
-    Shard.objects.create(replica=replica, node=node, port=sim_port)
-
+    key, _ = make_key("bench")
     stack = Stack(key, {})
-    sim = _spawn(
-        [sys.executable, "-m", "agents.sim", "--port", str(sim_port), "--model", MODEL],
-        env,
-        WORK / "sim.log",
-        cpu=0,
-    )
+    port = free_port()
+    argv = [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", MODEL]
+    sim = Proc("sim", argv, WORK, env, port=port).start()
     stack.procs.append(sim)
-    _wait_port(sim_port, sim)
-    stack.targets["L0"] = Target("L0", f"http://127.0.0.1:{sim_port}", sim)
-    daphne = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p"]
+    pin(sim.wait_listening(), cpu=0)
+    serve_model(MODEL, [sim.port])
+    stack.targets["L0"] = Target("L0", sim.url, sim)
+    # Every gateway is the web server `manage.py run` starts (the launcher's argv); L1 and the
+    # stock handler only serve another application on it.
     variants = {
-        "L1": ("bench.relay:app", {"BENCH_UPSTREAM": f"http://127.0.0.1:{sim_port}"}),
-        "L2": ("llmgw_site.asgi:application", {}),
-        "L2-no-usage": ("llmgw_site.asgi:application", {"LLMGW_USAGE_ACCOUNTING": "false"}),
+        "L1": ("bench.relay:app", {"BENCH_UPSTREAM": sim.url}),
+        "L2": ("", {}),
+        "L2-no-usage": ("", {"LLMGW_USAGE_ACCOUNTING": "false"}),
         "L2-stock-handler": ("bench.stock:app", {}),
     }
     for name, (app, extra) in variants.items():
-        port = free_port()
-        proc = _spawn([*daphne, str(port), app], {**env, **extra}, WORK / f"{name}.log", cpu=1)
-        stack.procs.append(proc)
-        _wait_port(port, proc)
-        stack.targets[name] = Target(name, f"http://127.0.0.1:{port}", proc)
+        web = web_process(name, WORK, {**env, **extra}, app=app)
+        stack.procs.append(pin(web, cpu=1))
+        stack.targets[name] = Target(name, web.url, web)
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {0})
     return stack
@@ -394,9 +362,13 @@ def run(quick: bool) -> dict[str, Any]:
         report["throughput"] = step(knee(stack, rates, 1.5 if quick else 3.0))
         report["memory"] = step(held_streams(stack, [250, 500, 1000], 3.0 if quick else 5.0))
         loop.close()
-        return report
     finally:
         stack.stop()
+    if os.sched_getaffinity(0) != set(range(os.cpu_count() or 1)):
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # the whole machine again
+    report["cold_start"] = control.cold_start(WORK / "control", samples=1 if quick else 3)
+    report["failover"] = control.failover(WORK / "control")
+    return report
 
 
 def summarize(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
@@ -418,6 +390,8 @@ def summarize(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]
     )
     slope = (per_1000["rss_mib"] - mem["idle_rss_mib"]) if per_1000 else float("nan")
     accounting = lat["L2"]["p50_ms"] - lat["L2-no-usage"]["p50_ms"]
+    cold = report["cold_start"]["overhead_s"]
+    failover = report["failover"]
     stock = lat["L2-stock-handler"]["p50_ms"] - lat["L2"]["p50_ms"]
     return [
         (
@@ -470,7 +444,18 @@ def summarize(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]
             accounting * 1000 <= 50,
         ),
         ("stock Django handler + middleware vs ours, p50", f"{stock * 1000:+.0f} us", "", None),
-        ("cold start overhead", "not measured (no reconciler yet)", "<= 1.5 s", None),
+        (
+            "cold start overhead (first token - engine start)",
+            f"{cold:.2f} s",
+            "<= 1.5 s",
+            cold <= 1.5,
+        ),
+        (
+            "leader killed: new leader / next placement",
+            f"{failover['new_leader_after_s']:.1f} / {failover['placement_after_s']:.1f} s",
+            "",
+            None,
+        ),
     ]
 
 

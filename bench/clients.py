@@ -10,15 +10,16 @@ import asyncio
 import json
 import os
 import resource
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import httpx
 
-from tests.harness.procs import free_port
+from tests.harness.procs import Proc, free_port
 
 BODY = json.dumps(
     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
@@ -75,17 +76,14 @@ async def measure(kind: str, url: str, concurrency: int, total: int) -> dict[str
 
 def main() -> None:
     port = free_port()
-    sim = subprocess.Popen(
-        [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", "m"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    argv = [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", "m"]
+    sim = Proc("sim", argv, Path(tempfile.mkdtemp(prefix="bench-clients-")), port=port)
+    sim.start().wait_listening()
     try:
-        time.sleep(1.5)
         if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
             os.sched_setaffinity(sim.pid, {0})
             os.sched_setaffinity(0, {1})
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        url = f"{sim.url}/v1/chat/completions"
         for _ in range(2):
             for kind in ("httpx", "aiohttp"):
                 for concurrency in (1, 64):
@@ -96,8 +94,7 @@ def main() -> None:
                         f"CPU {row['cpu_us_per_request']:5.0f} us/request"
                     )
     finally:
-        sim.terminate()
-        sim.wait()
+        sim.stop()
 
 
 if __name__ == "__main__":

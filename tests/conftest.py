@@ -17,6 +17,7 @@ from tests.harness.clock import FakeClock
 from tests.harness.redis import RedisServer
 
 STORE_FIXTURES = {"django_db_setup"}  # every way to the test database goes through it
+STORELESS = pytest.StashKey[int]()  # how many tests --store-tests-only left out
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -46,9 +47,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=storeless)
         items[:] = [item for item in items if uses_store(item)]
     config.stash[STORELESS] = len(storeless)
-
-
-STORELESS = pytest.StashKey[int]()
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from django.db import connection
 
@@ -367,28 +367,44 @@ class Cluster:
 # --- Celery task events, as a monitor receives them ------------------------------------------
 
 
-class TaskEvents:
-    """The task events the workers send (``-E``), received on a thread of their own from the
-    cluster's broker; it reconnects when the broker restarts."""
+class Watcher:
+    """Work done on a thread of its own for as long as a ``with watcher.running():`` lasts."""
 
-    def __init__(self, broker_url: str) -> None:
-        self.broker_url = broker_url
-        self.events: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
+    def __init__(self) -> None:
         self._stop = threading.Event()
-        self._receiver: Any = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @contextmanager
-    def running(self) -> Iterator[TaskEvents]:
+    def running(self) -> Iterator[Self]:
         self._thread.start()
         try:
             yield self
         finally:
             self._stop.set()
-            if self._receiver is not None:
-                self._receiver.should_stop = True
+            self._halt()
             self._thread.join(30)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _halt(self) -> None:
+        """Wake the thread if it waits on something other than the stop event."""
+
+
+class TaskEvents(Watcher):
+    """The task events the workers send (``-E``), received on a thread of their own from the
+    cluster's broker; it reconnects when the broker restarts."""
+
+    def __init__(self, broker_url: str) -> None:
+        super().__init__()
+        self.broker_url = broker_url
+        self.events: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self._receiver: Any = None
+
+    def _halt(self) -> None:
+        if self._receiver is not None:
+            self._receiver.should_stop = True
 
     def _on_event(self, event: dict[str, Any]) -> None:
         if event.get("type", "").startswith("task-"):
@@ -404,6 +420,8 @@ class TaskEvents:
             try:
                 with Connection(self.broker_url) as conn:
                     self._receiver = app.events.Receiver(conn, handlers={"*": self._on_event})
+                    if self._stop.is_set():  # asked to stop while connecting
+                        return
                     self._receiver.capture(limit=None, timeout=None, wakeup=True)
             except Exception:  # the broker is down on purpose: try again
                 self._stop.wait(0.2)
@@ -508,26 +526,16 @@ def heartbeat_after(name: str, moment: Any) -> bool:
     return Node.objects.filter(name=name, last_heartbeat_at__gt=moment).exists()
 
 
-class InvariantChecker:
+class InvariantChecker(Watcher):
     """Reads the store and the live engines every ``interval`` seconds from its own thread
     and keeps every violation it sees."""
 
     def __init__(self, cluster: Cluster, interval: float = 0.2) -> None:
+        super().__init__()
         self.cluster = cluster
         self.interval = interval
         self.violations: list[str] = []
         self.checks = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @contextmanager
-    def running(self) -> Iterator[InvariantChecker]:
-        self._thread.start()
-        try:
-            yield self
-        finally:
-            self._stop.set()
-            self._thread.join(30)
 
     def _run(self) -> None:
         try:

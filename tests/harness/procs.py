@@ -197,16 +197,25 @@ class Proc:
 
 
 def web_process(
-    name: str, log_dir: Path, env: Mapping[str, str], *, port: int = 0, access_log: bool = False
+    name: str,
+    log_dir: Path,
+    env: Mapping[str, str],
+    *,
+    port: int = 0,
+    access_log: bool = False,
+    app: str = "",
 ) -> Proc:
     """A web process started as ``manage.py run`` starts each of its own: the launcher binds
     the listening socket and builds the server's argv; the child accepts on the inherited
     descriptor. Our copy of the socket is closed once the child has it, so when the process
-    dies, connections are refused as they would be in production."""
+    dies, connections are refused as they would be in production. ``app`` serves another
+    ASGI application on the same server (the benchmark's baselines)."""
     listener = launcher.bind_listener("127.0.0.1", port)
     try:
         bound = int(listener.getsockname()[1])
         argv = launcher.daphne_command(listener.fileno(), access_log=access_log)
+        if app:
+            argv = [*argv[:-1], app]  # the application is the command line's last word
         proc = Proc(name, argv, log_dir, env, port=bound)
         proc.start(pass_fds=(listener.fileno(),))
     finally:
