@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from control.management.commands.run import celery_argv
 from tests.harness.procs import REPO_ROOT, Proc, free_port, port_window
 from tests.harness.waits import wait_until
 
@@ -145,6 +144,9 @@ def cold_start(work: Path, samples: int) -> dict[str, float | list[float]]:
 
 def failover(work: Path) -> dict[str, float]:
     """Kill the leader's worker; how long until another process leads, and places."""
+    # The worker and beat as `manage.py run` starts them (a module that needs Django set up).
+    from control.management.commands.run import celery_argv
+
     var = work / "failover"
     with make_run(var, LLMGW_LEADER_ELECTION="true") as (run, base, key):
         # A second control plane on the same store: its own worker, beat and broker folder.
