@@ -51,7 +51,10 @@ pytest-postgres: $(TEST_STAMP)
 	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest --store-tests-only $(PYTEST_ARGS); \
 	elif [ $$rc != 3 ]; then exit $$rc; fi
 
-test: lint typecheck migrations-check pytest-sqlite pytest-postgres
+# The checks first (they fail fast); then both backends at once: most of a pass is spent
+# waiting on the processes it starts, so two passes share two cores well.
+test: lint typecheck migrations-check
+	$(MAKE) --no-print-directory -j2 --output-sync=target pytest-sqlite pytest-postgres
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench
