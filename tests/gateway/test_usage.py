@@ -53,6 +53,15 @@ def test_rows_of_a_deleted_key_are_kept_without_the_key(django_user_model: Any) 
     assert row.api_key_id is None and row.user_id is not None
 
 
+def test_a_model_name_with_a_nul_byte_is_stored_and_holds_back_no_other_row() -> None:
+    """The model name is the client's string; PostgreSQL text cannot hold NUL."""
+    usage.store_rows([record("r1"), Usage("r2", None, None, "m\x00x", "chat", time.time())])
+    assert dict(UsageRecord.objects.values_list("request_id", "model")) == {
+        "r1": "m",
+        "r2": "m\ufffdx",
+    }
+
+
 def write_journal(path: Path, lines: list[bytes]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"".join(lines))

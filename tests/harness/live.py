@@ -180,14 +180,28 @@ class Stack:
         flight has none yet): nothing writes to the store after this, so the next test's
         fresh database is not raced by a late row."""
 
+        missing: set[str] = set()
+
         def stored() -> bool:
             ids = journaled(self.var)
             if ids is None:
                 return False
             wanted = ids - self.before
-            return UsageRecord.objects.filter(request_id__in=wanted).count() == len(wanted)
+            missing.clear()
+            missing.update(
+                wanted
+                - set(
+                    UsageRecord.objects.filter(request_id__in=wanted).values_list(
+                        "request_id", flat=True
+                    )
+                )
+            )
+            return not missing
 
-        wait_until(stored, what="every request's usage row stored")
+        try:
+            wait_until(stored, what="every request's usage row stored", logs=[self.web])
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\nnot stored: {sorted(missing)}") from None
 
 
 @contextmanager
