@@ -162,14 +162,18 @@ class Proc:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log().splitlines()[-lines:])
 
+    def _alive_or_fail(self) -> None:
+        if not self.running():
+            code = self.popen.returncode if self.popen else None
+            raise AssertionError(f"{self.name} exited ({code}):\n{self.tail()}")
+
     def wait_listening(self, timeout: float = 60.0) -> Proc:
         """Until its port accepts connections; fail with its log if it exits first."""
         port = self.port
         assert port, f"{self.name} serves no port"
 
         def listening() -> bool:
-            if not self.running():
-                raise AssertionError(f"{self.name} exited ({self.popen and self.popen.returncode})")
+            self._alive_or_fail()
             return port_open(port)
 
         wait_until(listening, timeout, f"{self.name} listening on {port}", logs=[self])
@@ -179,8 +183,7 @@ class Proc:
         """Until it answers HTTP on ``path`` (any status): the application is loaded."""
 
         def answers() -> bool:
-            if not self.running():
-                raise AssertionError(f"{self.name} exited ({self.popen and self.popen.returncode})")
+            self._alive_or_fail()
             try:
                 with urllib.request.urlopen(self.url + path, timeout=5):
                     return True
