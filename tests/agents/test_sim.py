@@ -439,7 +439,8 @@ async def test_requests_past_max_concurrency_wait_and_show_as_waiting(
 ) -> None:
     server = await start_sim(max_concurrency=1)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as c:
-        body = chat_body(max_tokens=1, sim={"ttft_ms": 300})
+        # A second each, so that "one running, two waiting" lasts long enough to be seen.
+        body = chat_body(max_tokens=1, sim={"ttft_ms": 1000})
         started = time.monotonic()
         calls = [asyncio.create_task(c.post("/v1/chat/completions", json=body)) for _ in range(3)]
 
@@ -451,14 +452,15 @@ async def test_requests_past_max_concurrency_wait_and_show_as_waiting(
         responses = await asyncio.gather(*calls)
         elapsed = time.monotonic() - started
         assert [r.status_code for r in responses] == [200, 200, 200]
-        assert elapsed >= 0.9  # three 300 ms generations, one at a time
+        assert elapsed >= 3.0  # three one-second generations, one at a time
         after = await metrics(c)
     assert after["vllm:num_requests_running"] == 0
     assert after["vllm:num_requests_waiting"] == 0
 
 
 async def test_health_answers_503_until_the_startup_delay_has_passed(start_sim: Starter) -> None:
-    server = await start_sim(startup_delay=0.4)
+    # Long enough that the first requests below surely come before it is over.
+    server = await start_sim(startup_delay=3)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as c:
         early = await c.get("/health")
         refused = await c.post("/v1/chat/completions", json=chat_body())

@@ -71,7 +71,7 @@ def test_l8_a_racer_with_skewed_clocks_never_makes_two_leaders_of_one_epoch(sett
     ]
     run_all(processes)
     claims = dict(collect(results, len(skews)))
-    assert all(count > 10 for count in claims.values()), claims
+    assert all(count >= 3 for count in claims.values()), claims  # every racer took part
 
     writes = list(
         Event.objects.filter(subject="race").order_by("id").values_list("epoch", "message")

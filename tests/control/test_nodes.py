@@ -47,6 +47,7 @@ from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedMode
 from control.routing import websocket_urlpatterns
 from tests.harness.clock import FakeClock
 from tests.harness.factories import issue_node, make_model, make_profile, make_replica
+from tests.harness.waits import await_until
 
 # Plain tests roll back (fast on PostgreSQL); tests whose work runs in another thread
 # (database_sync_to_async) or needs a real commit (on_commit nudges) truncate instead.
@@ -631,7 +632,13 @@ async def test_a_newer_stream_of_a_node_closes_the_older_one(token: str) -> None
     code, _ = await _closed_with(old)
     assert code == CloseCode.REPLACED
     await new.send_to(text_data=encode(Heartbeat(seq=1)))
-    assert await new.receive_nothing(timeout=0.3)
+    # The newer stream goes on working: what it reports next reaches the store.
+    await new.send_to(text_data=encode(Status(observed_revision=7, observed_epoch=0)))
+    await await_until(
+        lambda: Node.objects.filter(name="n1", observed_revision=7).aexists(),
+        what="the newer stream's report stored",
+    )
+    assert await new.receive_nothing(timeout=0)
     await new.disconnect()
 
 

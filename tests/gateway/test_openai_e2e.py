@@ -45,7 +45,7 @@ def stack(live: Stack) -> Iterator[tuple[Proc, Proc, Proc]]:
 
 
 def client(web: Proc, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=20)
+    return openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
 def listed(web: Proc, key: str) -> list[str]:

@@ -70,7 +70,7 @@ def exercise(operation: Any, bearer: dict[str, str], seen: dict[str, set[int]]) 
         calls[0] += 1
         if isinstance(case.body, dict) and "model" in case.body and calls[0] % 2:
             case.body["model"] = "m"
-        response = case.call(headers=bearer, timeout=20)
+        response = case.call(headers=bearer, timeout=60)
         assert response.status_code < 500, (case.path, case.body, response.text)
         # Not `positive_data_acceptance`: a body valid by the gateway's document may still be
         # refused by the engine (its own validation of messages, roles ...), and relaying the

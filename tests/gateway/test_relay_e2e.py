@@ -58,7 +58,7 @@ def stack(live: Stack) -> Iterator[tuple[Proc, Proc, Proc]]:
 
 
 def client(web: Proc, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=20)
+    return openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
 def ready(web: Proc, key: str, name: str, ports: list[int], **fields: Any) -> Any:
@@ -88,7 +88,7 @@ def arrived(sim: Proc) -> float:
 
 def raw_exchange(port: int, head: bytes, body_parts: list[bytes], pause: float = 0.0) -> bytes:
     """Send a request by hand; return whatever the server answered before closing."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         sock.sendall(head)
         try:
             for part in body_parts:
@@ -265,7 +265,7 @@ def test_a_client_that_hangs_up_mid_stream_cancels_the_engine_request(stack: Any
         b"Authorization: Bearer " + key.encode() + b"\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
     )
-    with socket.create_connection(("127.0.0.1", web.port), timeout=10) as sock:
+    with socket.create_connection(("127.0.0.1", web.port), timeout=60) as sock:
         sock.sendall(head + body)
         received = b""
         while received.count(b"data: ") < 5:

@@ -317,7 +317,7 @@ def test_promtool_passes_on_a_scrape_taken_while_traffic_flows_through_two_web_p
     served = serve_model("metrics-chat", [sim.port])
     key, _ = make_key("metrics-user")
     clients = [
-        openai.OpenAI(base_url=w.url + "/v1", api_key=key, max_retries=0, timeout=20)
+        openai.OpenAI(base_url=w.url + "/v1", api_key=key, max_retries=0, timeout=60)
         for w in (web_a, web_b)
     ]
     for c in clients:
@@ -365,7 +365,7 @@ def test_v1_requests_through_two_web_processes_are_counted_once_each(
     serve_model("metrics-count", [sim.port])
     key, _ = make_key("metrics-user")
     for web in (web_a, web_a, web_b):
-        c = openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=20)
+        c = openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=60)
         wait_until(partial(listed, c, "metrics-count"))
         c.chat.completions.create(
             model="metrics-count", messages=[{"role": "user", "content": "hi"}], max_tokens=3
