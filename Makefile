@@ -51,10 +51,10 @@ pytest-postgres: $(TEST_STAMP)
 	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest --store-tests-only $(PYTEST_ARGS); \
 	elif [ $$rc != 3 ]; then exit $$rc; fi
 
-# The checks first (they fail fast); then both backends at once: most of a pass is spent
-# waiting on the processes it starts, so two passes share two cores well.
-test: lint typecheck migrations-check
-	$(MAKE) --no-print-directory -j2 --output-sync=target pytest-sqlite pytest-postgres
+# Everything at once, each target's output kept together: most of a test pass is spent
+# waiting on the processes it starts, so the checks and both passes share two cores well.
+test: $(TEST_STAMP)
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint typecheck migrations-check pytest-sqlite pytest-postgres
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench
