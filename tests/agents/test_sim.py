@@ -8,16 +8,15 @@ import asyncio
 import base64
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,8 +35,8 @@ from agents.sim import (
     generated_text,
     serve,
 )
-from tests.harness.procs import REPO_ROOT
-from tests.harness.waits import await_until
+from tests.harness.procs import REPO_ROOT, Proc
+from tests.harness.waits import await_until, wait_until
 
 MODEL = "sim-model"
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "how are you today"}]
@@ -756,94 +755,72 @@ def test_sim_thread_serves_synchronous_clients() -> None:
 # --------------------------------------------------------------------------- the process
 
 
-class SimProcess:
-    """``python -m agents.sim`` on a free port, its log drained by a thread."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agents.sim", "--port", "0", *args],
-            cwd=REPO_ROOT,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.port = self._wait_for_port()
-
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.put(line)
-
-    def _wait_for_port(self) -> int:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            found = re.search(r"sim listening on 127\.0\.0\.1:(\d+)", line)
-            if found:
-                return int(found.group(1))
-        self.proc.kill()
-        pytest.fail("the simulator never said where it listens")
-
-    def wait(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout=timeout)
+def sim_process(log_dir: Path, *args: str) -> Proc:
+    """``python -m agents.sim --port 0``: it binds a port of its own and says which."""
+    argv = [sys.executable, "-m", "agents.sim", "--port", "0", *args]
+    proc = Proc("sim", argv, log_dir, {**os.environ, "PYTHONUNBUFFERED": "1"}).start()
+    said = wait_until(
+        lambda: re.search(r"sim listening on 127\.0\.0\.1:(\d+)", proc.log()),
+        what="the simulator to say where it listens",
+        logs=[proc],
+    )
+    proc.port = int(said.group(1))
+    return proc
 
 
 @pytest.mark.e2e
-async def test_process_serves_the_openai_client_and_exits_0_on_sigterm_after_finishing() -> None:
-    sim_process = SimProcess("--model", MODEL, "--tensor-parallel-size", "1")
+async def test_process_serves_the_openai_client_and_exits_0_on_sigterm_after_finishing(
+    tmp_path: Path,
+) -> None:
+    sim = sim_process(tmp_path, "--model", MODEL, "--tensor-parallel-size", "1")
     try:
-        base = f"http://127.0.0.1:{sim_process.port}"
+        base = sim.url
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as c:
             completion = await c.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
             assert completion.choices[0].message.content == "tok1 tok2"
         async with httpx.AsyncClient(base_url=base, timeout=60) as http_client:
-            body = chat_body(max_tokens=1, sim={"ttft_ms": 400})
+            # Long enough to be seen running, and still running when the signal comes.
+            body = chat_body(max_tokens=1, sim={"ttft_ms": 3000})
             in_flight = asyncio.create_task(http_client.post("/v1/chat/completions", json=body))
 
             async def running() -> bool:
                 return (await metrics(http_client))["vllm:num_requests_running"] == 1
 
             await eventually(running)
-            sim_process.proc.send_signal(signal.SIGTERM)
+            sim.signal(signal.SIGTERM)
             finished = await in_flight
         assert finished.status_code == 200
-        assert await asyncio.to_thread(sim_process.wait) == 0
+        assert await asyncio.to_thread(sim.wait) == 0
     finally:
-        sim_process.proc.kill()
+        sim.kill()
 
 
 @pytest.mark.e2e
-async def test_process_crashes_with_a_non_zero_exit_after_n_requests() -> None:
-    sim_process = SimProcess("--model", MODEL, "--crash-after", "2")
+async def test_process_crashes_with_a_non_zero_exit_after_n_requests(tmp_path: Path) -> None:
+    sim = sim_process(tmp_path, "--model", MODEL, "--crash-after", "2")
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sim_process.port}") as c:
+        async with httpx.AsyncClient(base_url=sim.url, timeout=60) as c:
             ok = [(await c.post("/v1/chat/completions", json=chat_body())).status_code]
             ok.append((await c.post("/v1/completions", json={"prompt": "x"})).status_code)
             assert ok == [200, 200]
             with pytest.raises(httpx.TransportError):
                 await c.post("/v1/chat/completions", json=chat_body())
-        assert await asyncio.to_thread(sim_process.wait) == CRASH_EXIT_CODE
+        assert await asyncio.to_thread(sim.wait) == CRASH_EXIT_CODE
     finally:
-        sim_process.proc.kill()
+        sim.kill()
 
 
 @pytest.mark.e2e
-def test_process_exits_non_zero_on_a_crash_asked_for_in_the_body() -> None:
-    sim_process = SimProcess("--model", MODEL)
+def test_process_exits_non_zero_on_a_crash_asked_for_in_the_body(tmp_path: Path) -> None:
+    sim = sim_process(tmp_path, "--model", MODEL)
     try:
         with pytest.raises(httpx.TransportError):
             httpx.post(
-                f"http://127.0.0.1:{sim_process.port}/v1/chat/completions",
-                json=chat_body(sim={"crash": True}),
+                f"{sim.url}/v1/chat/completions", json=chat_body(sim={"crash": True}), timeout=60
             )
-        assert sim_process.wait() == CRASH_EXIT_CODE
+        assert sim.wait() == CRASH_EXIT_CODE
     finally:
-        sim_process.proc.kill()
+        sim.kill()
 
 
 def test_settings_that_would_make_the_simulator_lie_are_refused_by_name() -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import signal
-import subprocess
 import sys
 from typing import Any
 
@@ -15,7 +13,7 @@ from django.core.management.base import CommandError
 from control import leases
 from control.models import Replica
 from tests.harness.factories import gib, make_model, make_node
-from tests.harness.procs import REPO_ROOT
+from tests.harness.procs import Proc
 from tests.harness.store import child_env
 from tests.harness.waits import wait_until
 
@@ -58,23 +56,16 @@ def test_reconcile_loop_ticks_until_sigterm_then_releases_the_lease(tmp_path: An
     make_node("a", gpus=gib(80))
     make_model("m", min_replicas=1)
     env = child_env(LLMGW_VAR_DIR=str(tmp_path), LLMGW_LEADER_ELECTION="true")
-    process = subprocess.Popen(
-        [sys.executable, "manage.py", "reconcile", "--loop", "--interval", "0.2"],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    argv = [sys.executable, "manage.py", "reconcile", "--loop", "--interval", "0.2"]
+    loop = Proc("reconcile", argv, tmp_path, env).start()
     try:
-        wait_until(Replica.objects.exists, what="a placement by the loop")
+        wait_until(Replica.objects.exists, what="a placement by the loop", logs=[loop])
         assert Replica.objects.count() == 1
         view = leases.read()
         assert view is not None and view.held
     finally:
-        process.send_signal(signal.SIGTERM)
-        output = process.communicate(timeout=30)[0]
-    assert process.returncode == 0, output
+        code = loop.stop()
+    assert code == 0, loop.tail()
     view = leases.read()
     assert view is not None and not view.held, "released on SIGTERM"
 
