@@ -3,51 +3,63 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# Two install steps: `make run` needs only the runtime (requirements.txt); the test tools
+# (requirements-dev.txt) come with the first `make test`. Each step has its stamp.
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
 typecheck migrations-check pytest-sqlite pytest-postgres bench: export SECRET_KEY = llmgw-checks-only-not-a-secret
 
 .PHONY: run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+$(RUN_STAMP): requirements.txt | $(VENV)/bin/python
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+$(TEST_STAMP): $(RUN_STAMP) requirements-dev.txt
 	# llama-cpp-python (the real llama.cpp server in the agent tests) compiles from source.
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
-	touch $(STAMP)
+	touch $@
 
-venv: $(STAMP)
+venv: $(TEST_STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	@mkdir -p var; test -s var/secret_key || $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > var/secret_key
 	SECRET_KEY=$$(cat var/secret_key) $(PY) manage.py run
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	# Which app may import which: the contracts in pyproject.toml (README: how the code is layered).
 	$(VENV)/bin/lint-imports --no-logo
 
-typecheck: $(STAMP)
+typecheck: $(TEST_STAMP)
 	$(VENV)/bin/mypy
 
-migrations-check: $(STAMP)
+migrations-check: $(TEST_STAMP)
 	$(PY) manage.py makemigrations --check --dry-run
 
-pytest-sqlite: $(STAMP)
+pytest-sqlite: $(TEST_STAMP)
 	DATABASE_URL=sqlite:///var/test.sqlite3 $(PY) -m pytest $(PYTEST_ARGS)
 
-pytest-postgres: $(STAMP)
-	@$(PY) -m tests.require_postgres; rc=$$?; \
+pytest-postgres: $(TEST_STAMP)
+	@$(PY) -m tests.harness.require_postgres; rc=$$?; \
 	if [ $$rc = 0 ]; then \
-	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest $(PYTEST_ARGS); \
+	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest --store-tests-only $(PYTEST_ARGS); \
 	elif [ $$rc != 3 ]; then exit $$rc; fi
 
-test: lint typecheck migrations-check pytest-sqlite pytest-postgres
+# Everything at once, each target's output kept together: most of a test pass is spent
+# waiting on the processes it starts, so the checks and both passes share two cores well.
+test: $(TEST_STAMP)
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint typecheck migrations-check pytest-sqlite pytest-postgres
 
-bench: $(STAMP)
-	$(PY) -m tests.bench
+bench: $(RUN_STAMP)
+	$(PY) -m bench
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*

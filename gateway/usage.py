@@ -87,7 +87,9 @@ class Usage:
             self.request_id,
             self.api_key_id,
             self.user_id,
-            self.model[:200],
+            # The client's own string: PostgreSQL text cannot hold NUL, and one such row
+            # would hold back every row of its batch.
+            self.model[:200].replace("\x00", "\ufffd"),
             self.endpoint,
             self.upstream[:300],
             self.status,

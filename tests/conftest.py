@@ -1,20 +1,60 @@
 """Shared fixtures. Every test that touches the store runs on whichever backend DATABASE_URL
-names (the Makefile runs the suite once on SQLite and once on PostgreSQL)."""
+names: the Makefile runs the suite on SQLite, then the tests that use the store again on
+PostgreSQL (``--store-tests-only``: the others would only repeat themselves)."""
 
 from __future__ import annotations
 
 import os
-import socket
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from django.db import connection
+from pytest_django import DjangoDbBlocker
 from pytest_django.fixtures import _set_suffix_to_test_databases
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.harness.clock import FakeClock
+from tests.harness.redis import RedisServer
+
+STORE_FIXTURES = {"django_db_setup"}  # every way to the test database goes through it
+STORELESS = pytest.StashKey[int]()  # how many tests --store-tests-only left out
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-tests-only",
+        action="store_true",
+        help="run only the tests that use the store: the second backend's pass, the others "
+        "having run in the first",
+    )
+
+
+def uses_store(item: pytest.Item) -> bool:
+    """The test reaches the store under test: pytest-django's database (its marker or its
+    fixtures), or a module-wide one (``store`` marker)."""
+    return bool(
+        item.get_closest_marker("django_db")
+        or item.get_closest_marker("store")
+        or STORE_FIXTURES & set(getattr(item, "fixturenames", ()))
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("store_tests_only"):
+        return
+    storeless = [item for item in items if not uses_store(item)]
+    if storeless:
+        config.hook.pytest_deselected(items=storeless)
+        items[:] = [item for item in items if uses_store(item)]
+    config.stash[STORELESS] = len(storeless)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if STORELESS in config.stash:
+        terminalreporter.write_line(
+            f"--store-tests-only: {config.stash[STORELESS]} tests that do not use the store "
+            "were deselected (they ran in the first backend's pass)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -24,17 +64,38 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: N
     _set_suffix_to_test_databases(os.environ.get("LLMGW_TEST_DB_SUFFIX") or f"p{os.getpid()}")
 
 
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
+@pytest.fixture(scope="session")
+def django_db_setup(
+    request: pytest.FixtureRequest,
+    django_test_environment: None,
+    django_db_blocker: DjangoDbBlocker,
+    django_db_modify_db_settings: None,
+) -> Iterator[None]:
+    """The test database, migrated, for the whole run. pytest-django's own fixture creates it
+    only for tests marked for its per-test database; a module that shares one cluster across
+    its tests (``store`` marker, ``tests.harness.store.module_store``) needs it as well."""
+    from django.test.utils import setup_databases, teardown_databases
 
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
+    verbosity = request.config.option.verbose
+    with django_db_blocker.unblock():
+        # (django-stubs types ``aliases`` as a mapping; Django takes any collection of names.)
+        created = setup_databases(
+            verbosity=verbosity,
+            interactive=False,
+            aliases={"default"},  # type: ignore[arg-type]
+        )
+    yield
+    with django_db_blocker.unblock():
+        teardown_databases(created, verbosity=verbosity)
 
-    def __call__(self) -> float:
-        return self.now
 
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A private Redis for tests that only need one (never 127.0.0.1:6379: someone else's).
+    A test that stops or restarts Redis starts its own."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture
@@ -70,46 +131,3 @@ def store_unreachable() -> Iterator[None]:
         connection.close()
         connection.settings_dict.clear()
         connection.settings_dict.update(saved)
-
-
-def database_url_for_children() -> str:
-    """The URL of the *test* database, for real processes a test starts."""
-    settings_dict = connection.settings_dict
-    if connection.vendor == "sqlite":
-        return f"sqlite:///{settings_dict['NAME']}"
-    user = settings_dict.get("USER") or "postgres"
-    host = settings_dict.get("HOST") or "127.0.0.1"
-    port = settings_dict.get("PORT") or "5432"
-    password = settings_dict.get("PASSWORD")
-    auth = f"{user}:{password}" if password else user
-    return f"postgres://{auth}@{host}:{port}/{settings_dict['NAME']}"
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["DATABASE_URL"] = database_url_for_children()
-    env.setdefault("SECRET_KEY", "llmgw-checks-only-not-a-secret")
-    env.update(extra)
-    return env
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(
-    check: Callable[[], Any], timeout: float = 15.0, what: str = "", interval: float = 0.05
-) -> Any:
-    """Poll ``check`` until it returns something truthy, and return that; fail after
-    ``timeout`` seconds naming ``what`` and the last result."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or check}; last: {last!r}")

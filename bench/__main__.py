@@ -1,0 +1,521 @@
+"""``make bench``: what llmgw adds over calling the engine directly, measured in one run.
+
+Three levels against the same ``sim`` engine, with the same load generator, interleaved so
+drift hits all alike (see ``shared/BENCHMARK.md``):
+
+- L0: the load generator calls ``sim`` directly;
+- L1: a ~50-line raw-ASGI relay on daphne with llmgw's upstream client
+  (``bench/relay.py``);
+- L2: llmgw on daphne (auth, limits check, routing, usage accounting on).
+
+Two more targets price single choices: L2 with usage accounting off, and L2 with ``/v1`` on
+Django's stock handler and middleware (what ``gateway.asgi.GatewayHandler`` saves). Every
+gateway is the web server ``manage.py run`` starts (the launcher's command line).
+Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0. Then the
+control plane's figures (``bench/control.py``): cold start and failover. The table is printed
+and written as JSON to ``$BENCH_JSON`` (default ``var/bench.json``).
+
+    python -m bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench import control
+from tests.harness.procs import Proc, free_port, web_process
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = REPO / "var" / "bench"
+MODEL = "bench"
+TICKS = os.sysconf("SC_CLK_TCK")
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # base, without /v1
+    proc: Proc | None = None
+
+    def cpu_seconds(self) -> float:
+        if self.proc is None:
+            return 0.0
+        with open(f"/proc/{self.proc.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS
+
+    def rss_mib(self) -> float:
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+
+@dataclass
+class Stack:
+    key: str
+    targets: dict[str, Target]
+    procs: list[Proc] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.signal(signal.SIGTERM)
+        for proc in self.procs:
+            proc.stop()
+
+
+def pin(proc: Proc, cpu: int) -> Proc:
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > cpu:
+        os.sched_setaffinity(proc.pid, {cpu})
+    return proc
+
+
+def setup() -> Stack:
+    """A fresh SQLite store, one key and one model, the engine and the four gateways."""
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=f"sqlite:///{WORK / 'bench.sqlite3'}",
+        SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
+        LLMGW_VAR_DIR=str(WORK),
+        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
+        LLMGW_LOG_LEVEL="WARNING",
+    )
+    os.environ.update(env)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from tests.harness.factories import make_key, serve_model
+
+    call_command("migrate", verbosity=0)
+    key, _ = make_key("bench")
+    stack = Stack(key, {})
+    port = free_port()
+    argv = [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", MODEL]
+    sim = Proc("sim", argv, WORK, env, port=port).start()
+    stack.procs.append(sim)
+    pin(sim.wait_listening(), cpu=0)
+    serve_model(MODEL, [sim.port])
+    stack.targets["L0"] = Target("L0", sim.url, sim)
+    # Every gateway is the web server `manage.py run` starts (the launcher's argv); L1 and the
+    # stock handler only serve another application on it.
+    variants = {
+        "L1": ("bench.relay:app", {"BENCH_UPSTREAM": sim.url}),
+        "L2": ("", {}),
+        "L2-no-usage": ("", {"LLMGW_USAGE_ACCOUNTING": "false"}),
+        "L2-stock-handler": ("bench.stock:app", {}),
+    }
+    for name, (app, extra) in variants.items():
+        web = web_process(name, WORK, {**env, **extra}, app=app)
+        stack.procs.append(pin(web, cpu=1))
+        stack.targets[name] = Target(name, web.url, web)
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {0})
+    return stack
+
+
+# --- measurements -------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def one_request(
+    session: aiohttp.ClientSession, target: Target, key: str, body: bytes
+) -> float:
+    started = time.perf_counter()
+    async with session.post(
+        target.url + "/v1/chat/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    ) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{target.name}: HTTP {response.status}")
+    return time.perf_counter() - started
+
+
+async def latency_rounds(stack: Stack, rounds: int, per_round: int) -> dict[str, Any]:
+    body = json.dumps(CHAT).encode()
+    results: dict[str, dict[str, list[float]]] = {n: {"p50": [], "p99": []} for n in stack.targets}
+    cpu = dict.fromkeys(stack.targets, 0.0)
+    counted = dict.fromkeys(stack.targets, 0)
+    async with aiohttp.ClientSession() as session:
+        for target in stack.targets.values():  # warm up: connections, caches, routing table
+            for _ in range(200):
+                await one_request(session, target, stack.key, body)
+        for _ in range(rounds):
+            for name, target in stack.targets.items():
+                before = target.cpu_seconds()
+                samples = [
+                    await one_request(session, target, stack.key, body) for _ in range(per_round)
+                ]
+                cpu[name] += target.cpu_seconds() - before
+                counted[name] += per_round
+                results[name]["p50"].append(pct(samples, 0.5))
+                results[name]["p99"].append(pct(samples, 0.99))
+    return {
+        name: {
+            "p50_ms": statistics.median(r["p50"]) * 1000,
+            "p99_ms": statistics.median(r["p99"]) * 1000,
+            "cpu_ms_per_request": cpu[name] / counted[name] * 1000,
+        }
+        for name, r in results.items()
+    }
+
+
+async def one_stream(
+    session: aiohttp.ClientSession, target: Target, key: str, body: bytes
+) -> tuple[float, list[float], int]:
+    """Time to first token, gaps between reads, and events received."""
+    started = time.perf_counter()
+    first: float | None = None
+    last = started
+    gaps: list[float] = []
+    events = 0
+    async with session.post(
+        target.url + "/v1/chat/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    ) as response:
+        async for chunk in response.content.iter_any():
+            now = time.perf_counter()
+            count = chunk.count(b"data: ")
+            if count == 0:
+                continue
+            events += count
+            if first is None:
+                first = now - started
+            else:
+                gaps.append(now - last)
+            last = now
+    return (first or 0.0), gaps, events
+
+
+async def stream_rounds(stack: Stack, rounds: int, per_round: int) -> dict[str, Any]:
+    paced = json.dumps(
+        {**CHAT, "max_tokens": 20, "stream": True, "sim": {"itl_ms": 5, "ttft_ms": 5}}
+    ).encode()
+    instant = json.dumps({**CHAT, "max_tokens": 400, "stream": True}).encode()
+    names = ["L0", "L1", "L2"]
+    ttft: dict[str, list[float]] = {n: [] for n in names}
+    gap: dict[str, list[float]] = {n: [] for n in names}
+    cpu = dict.fromkeys(names, 0.0)
+    events = dict.fromkeys(names, 0)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(rounds):
+            for name in names:
+                target = stack.targets[name]
+                for _ in range(per_round):
+                    first, gaps, _ = await one_stream(session, target, stack.key, paced)
+                    ttft[name].append(first)
+                    gap[name].extend(gaps)
+                before = target.cpu_seconds()
+                for _ in range(max(2, per_round // 5)):
+                    _, _, count = await one_stream(session, target, stack.key, instant)
+                    events[name] += count
+                cpu[name] += target.cpu_seconds() - before
+    return {
+        name: {
+            "ttft_p50_ms": pct(ttft[name], 0.5) * 1000,
+            "ttft_p99_ms": pct(ttft[name], 0.99) * 1000,
+            "gap_p50_ms": pct(gap[name], 0.5) * 1000,
+            "gap_p99_ms": pct(gap[name], 0.99) * 1000,
+            "cpu_us_per_event": cpu[name] / max(1, events[name]) * 1e6,
+        }
+        for name in names
+    }
+
+
+async def open_loop(
+    session: aiohttp.ClientSession, target: Target, key: str, rate: int, seconds: float
+) -> tuple[float, float]:
+    """Constant arrival rate for ``seconds``: (p99 latency, error share)."""
+    body = json.dumps(CHAT).encode()
+    latencies: list[float] = []
+    errors = 0
+
+    async def fire() -> None:
+        nonlocal errors
+        try:
+            async with asyncio.timeout(2.0):
+                latencies.append(await one_request(session, target, key, body))
+        except Exception:
+            errors += 1
+
+    tasks: list[asyncio.Task[None]] = []
+    start = time.perf_counter()
+    total = int(rate * seconds)
+    for i in range(total):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(fire()))
+    await asyncio.gather(*tasks)
+    return pct(latencies, 0.99), errors / total
+
+
+async def knee(stack: Stack, rates: list[int], seconds: float) -> dict[str, Any]:
+    names = ["L0", "L1", "L2"]
+    passed: dict[str, int] = dict.fromkeys(names, 0)
+    steps: list[dict[str, Any]] = []
+    alive = set(names)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for rate in rates:
+            step: dict[str, Any] = {"rate": rate}
+            for name in names:
+                if name not in alive:
+                    continue
+                p99, errors = await open_loop(
+                    session, stack.targets[name], stack.key, rate, seconds
+                )
+                step[name] = {"p99_ms": p99 * 1000, "errors": errors}
+            base = step["L0"]["p99_ms"] if "L0" in step else float("inf")
+            for name in names:
+                if name not in step:
+                    continue
+                ok = step[name]["errors"] < 0.001 and step[name]["p99_ms"] <= base + 10
+                if ok:
+                    passed[name] = rate
+                else:
+                    alive.discard(name)
+            steps.append(step)
+            if alive <= {"L0"}:
+                break
+    return {"knee_rps": passed, "steps": steps}
+
+
+async def held_streams(stack: Stack, counts: list[int], hold: float) -> dict[str, Any]:
+    """RSS of one llmgw process while it relays N slow streams (20 ms between tokens)."""
+    target = stack.targets["L2"]
+    tokens = int(hold * 1000 / 20) + 5
+    body = json.dumps(
+        {**CHAT, "max_tokens": tokens, "stream": True, "sim": {"itl_ms": 20}}
+    ).encode()
+    idle = target.rss_mib()
+    out: dict[str, Any] = {"idle_rss_mib": idle, "levels": []}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for count in counts:
+            stalls: list[float] = []
+            lost: list[int] = []
+
+            async def consume(stalls: list[float] = stalls, lost: list[int] = lost) -> None:
+                try:
+                    _, gaps, events = await one_stream(session, target, stack.key, body)
+                    stalls.append(max(gaps, default=0.0))
+                    if events < tokens:
+                        lost.append(1)
+                except Exception:
+                    lost.append(1)
+
+            tasks = [asyncio.create_task(consume()) for _ in range(count)]
+            await asyncio.sleep(hold * 0.6)
+            rss = target.rss_mib()
+            await asyncio.gather(*tasks)
+            out["levels"].append(
+                {
+                    "streams": count,
+                    "rss_mib": rss,
+                    "max_stall_ms": max(stalls, default=0) * 1000,
+                    "p99_stall_ms": pct(stalls, 0.99) * 1000,
+                    "incomplete": len(lost),
+                }
+            )
+    return out
+
+
+def run(quick: bool) -> dict[str, Any]:
+    stack = setup()
+    try:
+        loop = asyncio.new_event_loop()
+        step: Callable[[Awaitable[Any]], Any] = loop.run_until_complete
+        report: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count()}
+        report["latency"] = step(latency_rounds(stack, 3 if quick else 7, 200 if quick else 400))
+        report["streaming"] = step(stream_rounds(stack, 3 if quick else 5, 10 if quick else 20))
+        rates = [50, 100, 150, 200, 300, 400, 600, 800, 1000, 1300, 1600, 2000]
+        report["throughput"] = step(knee(stack, rates, 1.5 if quick else 3.0))
+        report["memory"] = step(held_streams(stack, [250, 500, 1000], 3.0 if quick else 5.0))
+        loop.close()
+    finally:
+        stack.stop()
+    if os.sched_getaffinity(0) != set(range(os.cpu_count() or 1)):
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # the whole machine again
+    report["cold_start"] = control.cold_start(WORK / "control", samples=1 if quick else 3)
+    report["failover"] = control.failover(WORK / "control")
+    return report
+
+
+def summarize(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """(figure, measured, goal, reached) rows for the table."""
+    lat = report["latency"]
+    l0, l1, l2 = lat["L0"], lat["L1"], lat["L2"]
+    stream = report["streaming"]
+    added_p50 = l2["p50_ms"] - l0["p50_ms"]
+    added_p99 = l2["p99_ms"] - l0["p99_ms"]
+    hops = added_p50 / max(1e-9, l1["p50_ms"] - l0["p50_ms"])
+    ttft99 = stream["L2"]["ttft_p99_ms"] - stream["L0"]["ttft_p99_ms"]
+    gap99 = (stream["L2"]["gap_p99_ms"] - stream["L0"]["gap_p99_ms"]) * 1000
+    knees = report["throughput"]["knee_rps"]
+    knee_ratio = knees["L2"] / knees["L1"] if knees["L1"] else 0.0
+    mem = report["memory"]
+    per_1000 = next((lv for lv in mem["levels"] if lv["streams"] == 1000), None)
+    held_ok = (
+        per_1000 is not None and per_1000["max_stall_ms"] <= 200 and not per_1000["incomplete"]
+    )
+    slope = (per_1000["rss_mib"] - mem["idle_rss_mib"]) if per_1000 else float("nan")
+    accounting = lat["L2"]["p50_ms"] - lat["L2-no-usage"]["p50_ms"]
+    cold = report["cold_start"]["overhead_s"]
+    failover = report["failover"]
+    stock = lat["L2-stock-handler"]["p50_ms"] - lat["L2"]["p50_ms"]
+    return [
+        (
+            "added latency c=1 p50 / p99",
+            f"{added_p50:.2f} / {added_p99:.2f} ms",
+            "<= 1 / 2 ms",
+            added_p50 <= 1 and added_p99 <= 2,
+        ),
+        ("L2 / L0 (p50)", f"{l2['p50_ms'] / l0['p50_ms']:.2f}x", "", None),
+        ("Python hops (L2-L0)/(L1-L0), p50", f"{hops:.2f}", "", None),
+        ("added TTFT p99 (stream)", f"{ttft99:.2f} ms", "<= 3 ms", ttft99 <= 3),
+        ("added gap between chunks p99", f"{gap99:.0f} us", "<= 300 us", gap99 <= 300),
+        (
+            "CPU per non-streamed request (L2)",
+            f"{l2['cpu_ms_per_request']:.3f} ms",
+            "<= 0.5 ms",
+            l2["cpu_ms_per_request"] <= 0.5,
+        ),
+        (
+            "CPU per relayed SSE event (L2)",
+            f"{stream['L2']['cpu_us_per_event']:.1f} us",
+            "<= 25 us",
+            stream["L2"]["cpu_us_per_event"] <= 25,
+        ),
+        (
+            "throughput knee L2 / L1",
+            f"{knees['L2']} / {knees['L1']} rps = {knee_ratio:.2f}",
+            ">= 0.7",
+            knee_ratio >= 0.7,
+        ),
+        (
+            "1,000 streams at 20 ms, max stall",
+            f"{per_1000['max_stall_ms']:.0f} ms, {per_1000['incomplete']} incomplete"
+            if per_1000
+            else "n/a",
+            "<= 200 ms, none lost",
+            held_ok,
+        ),
+        (
+            "idle RSS per web process",
+            f"{mem['idle_rss_mib']:.0f} MiB",
+            "<= 150 MB",
+            mem["idle_rss_mib"] <= 143,
+        ),
+        ("RSS per 1,000 open streams", f"+{slope:.0f} MiB", "<= +64 MiB", slope <= 64),
+        (
+            "usage accounting on vs off, p50",
+            f"{accounting * 1000:+.0f} us",
+            "<= +50 us",
+            accounting * 1000 <= 50,
+        ),
+        ("stock Django handler + middleware vs ours, p50", f"{stock * 1000:+.0f} us", "", None),
+        (
+            "cold start overhead (first token - engine start)",
+            f"{cold:.2f} s",
+            "<= 1.5 s",
+            cold <= 1.5,
+        ),
+        (
+            "leader killed: new leader / next placement",
+            f"{failover['new_leader_after_s']:.1f} / {failover['placement_after_s']:.1f} s",
+            "",
+            None,
+        ),
+    ]
+
+
+def print_table(report: dict[str, Any]) -> None:
+    lat, stream = report["latency"], report["streaming"]
+    print("\nper target (non-streamed c=1, median of rounds)")
+    print(f"{'target':18} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/req':>11}")
+    for name, row in lat.items():
+        print(
+            f"{name:18} {row['p50_ms']:8.3f} {row['p99_ms']:8.3f} {row['cpu_ms_per_request']:11.3f}"
+        )
+    print(
+        f"\n{'streaming':18} {'TTFT p50':>9} {'TTFT p99':>9} {'gap p50':>8} {'gap p99':>8} "
+        f"{'CPU us/event':>12}"
+    )
+    for name, row in stream.items():
+        print(
+            f"{name:18} {row['ttft_p50_ms']:9.3f} {row['ttft_p99_ms']:9.3f} "
+            f"{row['gap_p50_ms']:8.3f} {row['gap_p99_ms']:8.3f} {row['cpu_us_per_event']:12.1f}"
+        )
+    print(
+        "\nthroughput (open loop): "
+        + ", ".join(
+            f"{s['rate']} rps: "
+            + " ".join(
+                f"{n} p99 {s[n]['p99_ms']:.1f}ms err {s[n]['errors']:.1%}"
+                for n in ("L0", "L1", "L2")
+                if n in s
+            )
+            for s in report["throughput"]["steps"]
+        )
+    )
+    print(
+        "\nheld streams: "
+        + ", ".join(
+            f"{lv['streams']}: RSS {lv['rss_mib']:.0f} MiB, max stall {lv['max_stall_ms']:.0f} ms, "
+            f"{lv['incomplete']} incomplete"
+            for lv in report["memory"]["levels"]
+        )
+    )
+    print(f"\n{'figure':48} {'measured':32} {'goal':20} reached")
+    for figure, measured, goal, ok in summarize(report):
+        mark = "" if ok is None else ("yes" if ok else "NO")
+        print(f"{figure:48} {measured:32} {goal:20} {mark}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
+    args = parser.parse_args()
+    report = run(args.quick)
+    report["summary"] = [
+        {"figure": f, "measured": m, "goal": g, "reached": ok} for f, m, g, ok in summarize(report)
+    ]
+    print_table(report)
+    out = Path(os.environ.get("BENCH_JSON", REPO / "var" / "bench.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nwritten to {out}")
+
+
+if __name__ == "__main__":
+    main()

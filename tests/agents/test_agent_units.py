@@ -1,0 +1,285 @@
+"""The agent's pure decisions: command lines, failure classes, engine load, backoff, URLs,
+simulated GPUs and weights paths. Plain data in, plain data out; no process, no network."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agents.agent import backoff_delay, stream_url
+from agents.engines import (
+    LaunchContext,
+    RecipeError,
+    classify_failure,
+    launch,
+    parse_load,
+    render,
+    resolve_source,
+    weights_overlap,
+    weights_path,
+)
+from agents.gpus import parse_simulated
+from agents.plan import fingerprint
+from agents.protocol import DesiredShard, DesiredShardState, Engine, FailureClass
+
+CTX = LaunchContext(host="10.0.0.7", python="/opt/py/bin/python", weights_dir=Path("/srv/w"))
+SHARD = DesiredShard(
+    shard_id=7,
+    replica_id=3,
+    generation=1,
+    state=DesiredShardState.RUNNING,
+    engine=Engine.VLLM,
+    model="llama3",
+    source="meta-llama/Llama-3-8B",
+    port=20001,
+    gpu_indices=(2, 3),
+)
+
+
+def test_vllm_recipe_serves_the_source_under_the_model_name_on_the_shard_port() -> None:
+    plan = launch(replace(SHARD, args=("--tensor-parallel-size", "{world_size}")), CTX, {})
+    assert plan.argv == (
+        "/opt/py/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "10.0.0.7",
+        "--port",
+        "20001",
+        "--model",
+        "meta-llama/Llama-3-8B",
+        "--served-model-name",
+        "llama3",
+        "--tensor-parallel-size",
+        "1",
+    )
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+@pytest.mark.parametrize(
+    ("engine", "module", "source_flag", "name_flag"),
+    [
+        (Engine.SGLANG, "sglang.launch_server", "--model-path", "--served-model-name"),
+        (Engine.LLAMACPP, "llama_cpp.server", "--model", "--model_alias"),
+        (Engine.SIM, "agents.sim", "--model", "--model"),
+    ],
+)
+def test_each_engine_has_a_recipe(
+    engine: Engine, module: str, source_flag: str, name_flag: str
+) -> None:
+    argv = launch(replace(SHARD, engine=engine), CTX, {}).argv
+    assert argv[:3] == ("/opt/py/bin/python", "-m", module)
+    assert argv[argv.index("--port") + 1] == "20001"
+    assert argv[argv.index(name_flag) + 1] == "llama3"
+    if engine is not Engine.SIM:
+        assert argv[argv.index(source_flag) + 1] == "meta-llama/Llama-3-8B"
+
+
+def test_multi_node_values_fill_the_template() -> None:
+    shard = replace(
+        SHARD,
+        engine=Engine.SGLANG,
+        rank=1,
+        world_size=2,
+        head_address="10.0.0.8",
+        head_port=20000,
+        args=("--nnodes", "{world_size}", "--node-rank", "{rank}", "--dist-init-addr",
+              "{head_address}:{head_port}"),
+    )  # fmt: skip
+    plan = launch(shard, CTX, {})
+    assert plan.argv[-6:] == ("--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
+                              "10.0.0.8:20000")  # fmt: skip
+    assert (plan.env["LLMGW_RANK"], plan.env["LLMGW_WORLD_SIZE"]) == ("1", "2")
+
+
+def test_the_node_token_never_reaches_an_engine() -> None:
+    base = {"PATH": "/usr/bin", "LLMGW_NODE_TOKEN": "llmgw_node_secret", "HOME": "/root"}
+    env = launch(SHARD, CTX, base).env
+    assert "LLMGW_NODE_TOKEN" not in env
+    assert "llmgw_node_secret" not in " ".join(env.values())
+    assert env["PATH"] == "/usr/bin"
+
+
+def test_a_cpu_only_shard_sees_no_gpu_at_all() -> None:
+    assert launch(replace(SHARD, gpu_indices=()), CTX, {}).env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_profile_env_is_applied_and_templated() -> None:
+    env = launch(replace(SHARD, env={"HF_HOME": "{weights_dir}/hf"}), CTX, {}).env
+    assert env["HF_HOME"] == "/srv/w/hf"
+
+
+def test_an_unknown_placeholder_is_an_error_but_json_braces_are_kept() -> None:
+    assert render('{"rope": {"type": "x"}}', {"model": "m"}) == '{"rope": {"type": "x"}}'
+    with pytest.raises(RecipeError, match=r"unknown placeholder \{modle\}"):
+        render("--name={modle}", {"model": "m"})
+    with pytest.raises(RecipeError):
+        launch(replace(SHARD, args=("{nope}",)), CTX, {})
+
+
+def test_relative_sources_resolve_under_the_weights_dir_only_when_present(tmp_path: Path) -> None:
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")
+    assert resolve_source("tiny.gguf", tmp_path) == str(tmp_path / "tiny.gguf")
+    assert resolve_source("org/remote-model", tmp_path) == "org/remote-model"
+    assert resolve_source("/abs/model.gguf", tmp_path) == "/abs/model.gguf"
+    assert resolve_source("../tiny.gguf", tmp_path) == "../tiny.gguf"
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "log", "killed", "expected"),
+    [
+        (1, ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"], False, "oom"),
+        (-9, ["loading weights"], False, "oom"),  # the kernel's OOM killer
+        (-9, ["loading weights"], True, "crash"),  # our own SIGKILL is no OOM
+        (1, ["huggingface_hub.errors.RepositoryNotFoundError: 401 Client Error"], False,
+         "download"),
+        (1, ["ValueError: Model path does not exist: /srv/w/x.gguf"], False, "download"),
+        (2, ["usage: api_server.py [-h]", "error: unrecognized arguments: --bogus"], False,
+         "bad_args"),
+        (1, ["No module named vllm"], False, "bad_args"),
+        (70, ["Traceback (most recent call last):", "RuntimeError: boom"], False, "crash"),
+        (0, ["shutting down"], False, "crash"),  # exited while it should run
+        (None, [], False, "crash"),
+    ],
+)  # fmt: skip
+def test_failures_are_classified_from_exit_code_and_log(
+    exit_code: int | None, log: list[str], killed: bool, expected: str
+) -> None:
+    assert classify_failure(exit_code, log, killed_by_agent=killed) == FailureClass(expected)
+
+
+def test_engine_load_is_read_from_vllm_and_sglang_metrics() -> None:
+    vllm = (
+        "# HELP vllm:num_requests_running Requests in execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="a"} 3.0\n'
+        'vllm:num_requests_running{model_name="b"} 1.0\n'
+        'vllm:num_requests_waiting{model_name="a"} 2.0\n'
+    )
+    load = parse_load(vllm)
+    assert load is not None and (load.running, load.waiting) == (4, 2)
+    sglang = "sglang:num_running_reqs 5\nsglang:num_queue_reqs 0\n"
+    load = parse_load(sglang)
+    assert load is not None and (load.running, load.waiting) == (5, 0)
+    assert parse_load("python_gc_objects_collected_total 12\n") is None
+    assert parse_load("garbage {{{\n") is None
+
+
+def test_backoff_doubles_up_to_the_cap_with_jitter_in_the_upper_half() -> None:
+    low = [backoff_delay(n, base=0.5, cap=30, rand=lambda: 0.0) for n in range(10)]
+    high = [backoff_delay(n, base=0.5, cap=30, rand=lambda: 1.0) for n in range(10)]
+    assert low[:4] == [0.25, 0.5, 1.0, 2.0]
+    assert high[:4] == [0.5, 1.0, 2.0, 4.0]
+    assert max(high) == 30 and max(low) == 15
+    assert backoff_delay(10**6, base=0.5, cap=30, rand=lambda: 0.5) == 22.5
+
+
+def test_two_agents_do_not_retry_in_lock_step() -> None:
+    import random
+
+    first, second = random.Random(1), random.Random(2)
+    a = [backoff_delay(3, base=0.5, cap=30, rand=first.random) for _ in range(5)]
+    b = [backoff_delay(3, base=0.5, cap=30, rand=second.random) for _ in range(5)]
+    assert a != b
+    assert all(2.0 <= d <= 4.0 for d in a + b)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("http://cp:8000", "ws://cp:8000/agents/stream"),
+        ("https://cp.example/", "wss://cp.example/agents/stream"),
+        ("ws://cp:8000/agents/stream", "ws://cp:8000/agents/stream"),
+        ("wss://cp/custom/path", "wss://cp/custom/path"),
+    ],
+)
+def test_control_plane_urls_may_be_given_as_web_addresses(given: str, expected: str) -> None:
+    assert stream_url(given) == expected
+
+
+@pytest.mark.parametrize("bad", ["ftp://cp", "cp:8000", "http://"])
+def test_a_control_plane_url_that_is_no_url_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="is not an http"):
+        stream_url(bad)
+
+
+def test_simulated_gpus_are_parsed_from_a_short_spec() -> None:
+    gpus = parse_simulated("2x80GiB,1x24GiB", "n1")
+    assert [(g.index, g.memory_total_mib) for g in gpus] == [(0, 81920), (1, 81920), (2, 24576)]
+    assert gpus[0].uuid == "SIM-n1-0" and gpus[2].uuid == "SIM-n1-2"
+    assert parse_simulated("1x512MiB", "n")[0].memory_total_mib == 512
+    for bad in ("2", "x80GiB", "0x80GiB", "2x80TB", "99x1GiB"):
+        with pytest.raises(ValueError, match="--simulate-gpus"):
+            parse_simulated(bad, "n")
+
+
+def test_weights_paths_never_leave_the_weights_directory(tmp_path: Path) -> None:
+    assert weights_path("org/model", tmp_path) == tmp_path.resolve() / "org" / "model"
+    assert weights_path("../outside", tmp_path) is None
+    assert weights_path(".", tmp_path) is None
+    (tmp_path / "link").symlink_to("/etc")
+    assert weights_path("link/passwd", tmp_path) is None  # a symlink out is still out
+
+
+def test_weights_overlap_when_one_path_holds_the_other() -> None:
+    root = Path("/w")
+    assert weights_overlap(root / "org", root / "org" / "model")
+    assert weights_overlap(root / "org" / "model", root / "org")
+    assert weights_overlap(root / "a", root / "a")
+    assert not weights_overlap(root / "org" / "a", root / "org" / "b")
+
+
+def test_a_shard_restarts_only_when_what_it_runs_changes() -> None:
+    base = fingerprint(SHARD)
+    assert fingerprint(replace(SHARD, startup_timeout_s=5)) == base
+    assert fingerprint(replace(SHARD, state=DesiredShardState.DRAINING)) == base
+    assert fingerprint(replace(SHARD, generation=2)) != base
+    assert fingerprint(replace(SHARD, args=("--x",))) != base
+    assert fingerprint(replace(SHARD, gpu_indices=(0,))) != base
+
+
+def test_without_nvml_the_fallback_gpus_are_simulated() -> None:
+    import importlib.util
+
+    from agents.gpus import discover
+
+    if importlib.util.find_spec("pynvml") is not None:
+        pytest.skip("NVML is installed here; this checks the machines without it")
+    assert [g.memory_total_mib for g in discover(None, "n", fallback="2x8GiB").read()] == [
+        8192,
+        8192,
+    ]
+    assert discover(None, "n").read() == ()
+    assert len(discover("3x1GiB", "n", fallback="2x8GiB").read()) == 3  # asked for wins
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        ([], {}, "no node token: pass --token-file or set LLMGW_NODE_TOKEN"),
+        ([], {"LLMGW_NODE_TOKEN": "sk-not-a-node-token"}, "does not start with 'llmgw_node_'"),
+        (["--token-file", "/nonexistent/token"], {}, "cannot read --token-file"),
+        (["--control-plane", "ftp://cp"], {"LLMGW_NODE_TOKEN": "llmgw_node_x"}, "is not an http"),
+        (["--simulate-gpus", "lots"], {}, "expected COUNTxSIZE like 2x80GiB"),
+        (["--port-range", "9-1"], {}, "ports must be 1-65535, low <= high"),
+        (["--node", "bad name!"], {}, "use 1-100 letters, digits"),
+    ],
+)
+def test_the_agent_refuses_bad_configuration_at_start(
+    tmp_path: Path, args: list[str], env: dict[str, str], words: str
+) -> None:
+    import subprocess
+    import sys
+
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env}
+    result = subprocess.run(
+        [sys.executable, "-m", "agents", "--state-dir", str(tmp_path / "s"),
+         "--weights-dir", str(tmp_path / "w"), *args],
+        env=base, capture_output=True, text=True, timeout=30, check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert words in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,224 @@
+"""The lease's contract, on whichever backend the suite runs against (SQLite and PostgreSQL).
+
+Time passes in these tests without sleeping: a claim with a zero TTL expires at once on the
+database's clock, and the holder's own deadline runs on an injected clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from control import leases
+from control.models import Event, Lease
+from tests.harness.clock import FakeClock
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
+
+
+def write_event(message: str) -> None:
+    Event.objects.create(kind=Event.Kind.LEADERSHIP, subject="test", message=message)
+
+
+def test_first_claim_wins_with_epoch_one() -> None:
+    result = leases.claim(owner="a")
+    assert result.is_leader
+    assert result.epoch == 1
+    view = leases.read()
+    assert view is not None
+    assert (view.owner, view.epoch) == ("a", 1)
+    assert 9.0 < view.expires_in <= 10.0
+
+
+def test_holder_renews_and_keeps_its_epoch() -> None:
+    first = leases.claim(owner="a", ttl=5)
+    assert leases.read() is not None
+    renewed = leases.claim(owner="a", previous=first, ttl=60)
+    assert renewed.is_leader
+    assert renewed.epoch == first.epoch == 1
+    view = leases.read()
+    assert view is not None and view.expires_in > 50
+
+
+def test_second_owner_cannot_take_a_live_lease() -> None:
+    leases.claim(owner="a")
+    other = leases.claim(owner="b")
+    assert not other.is_leader
+    view = leases.read()
+    assert view is not None and (view.owner, view.epoch) == ("a", 1)
+
+
+def test_second_owner_takes_an_expired_lease_with_the_next_epoch() -> None:
+    leases.claim(owner="a", ttl=0)  # expires at once on the database clock
+    taken = leases.claim(owner="b")
+    assert taken.is_leader
+    assert taken.epoch == 2
+    view = leases.read()
+    assert view is not None and view.owner == "b"
+
+
+def test_old_owner_renew_fails_after_another_owner_took_over() -> None:
+    old = leases.claim(owner="a", ttl=0)
+    leases.claim(owner="b")
+    renewed = leases.claim(owner="a", previous=old)
+    assert not renewed.is_leader
+    assert not renewed.may_act()
+    view = leases.read()
+    assert view is not None and (view.owner, view.epoch) == ("b", 2)
+
+
+def test_epoch_never_goes_down_across_many_changes_of_owner() -> None:
+    epochs = []
+    for turn in range(10):
+        result = leases.claim(owner=f"owner-{turn % 3}", ttl=0)
+        assert result.is_leader
+        epochs.append(result.epoch)
+    assert epochs == list(range(1, 11))
+
+
+def test_release_lets_another_owner_take_at_once() -> None:
+    held = leases.claim(owner="a", ttl=60)
+    assert leases.release(held)
+    taken = leases.claim(owner="b", ttl=60)
+    assert taken.is_leader
+    assert taken.epoch == 2
+
+
+def test_release_by_a_deposed_owner_changes_nothing() -> None:
+    old = leases.claim(owner="a", ttl=0)
+    leases.claim(owner="b", ttl=60)
+    assert not leases.release(old)
+    view = leases.read()
+    assert view is not None and view.owner == "b" and view.held
+
+
+def test_store_error_keeps_the_claim_until_its_own_deadline(
+    fake_clock: FakeClock, store_unreachable: None
+) -> None:
+    held = leases.Leadership("reconciler", "a", epoch=3, is_leader=True, act_until=fake_clock() + 6)
+    kept = leases.claim(owner="a", previous=held, clock=fake_clock)
+    assert kept.is_leader and kept.epoch == 3
+    assert kept.store_error
+    assert kept.may_act(fake_clock)
+    fake_clock.advance(6.01)
+    again = leases.claim(owner="a", previous=kept, clock=fake_clock)
+    assert again.is_leader and not again.may_act(fake_clock)
+
+
+def test_store_error_without_a_claim_means_follower(store_unreachable: None) -> None:
+    result = leases.claim(owner="a")
+    assert not result.is_leader
+    assert result.store_error
+
+
+def test_claim_works_again_once_the_store_returns(fake_clock: FakeClock) -> None:
+    held = leases.claim(owner="a", clock=fake_clock)
+    connection.close()
+    saved = connection.settings_dict.get("PORT"), connection.settings_dict["NAME"]
+    try:
+        if connection.vendor == "postgresql":
+            connection.settings_dict["PORT"] = "1"
+        else:
+            connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
+        kept = leases.claim(owner="a", previous=held, clock=fake_clock)
+        assert kept.store_error
+    finally:
+        connection.close()
+        connection.settings_dict["PORT"], connection.settings_dict["NAME"] = saved
+    renewed = leases.claim(owner="a", previous=kept, clock=fake_clock)
+    assert renewed.is_leader and not renewed.store_error and renewed.epoch == held.epoch
+
+
+def test_holder_may_act_only_until_the_renew_deadline(fake_clock: FakeClock) -> None:
+    held = leases.claim(owner="a", renew_deadline=6, clock=fake_clock)
+    assert held.may_act(fake_clock)
+    fake_clock.advance(5.9)
+    assert held.may_act(fake_clock)
+    fake_clock.advance(0.2)
+    assert not held.may_act(fake_clock)
+
+
+def test_fenced_write_by_the_live_holder_is_kept() -> None:
+    held = leases.claim(owner="a")
+    with leases.fenced(held):
+        write_event("kept")
+    assert Event.objects.filter(message="kept").count() == 1
+
+
+def test_fenced_write_by_a_deposed_owner_changes_no_row() -> None:
+    old = leases.claim(owner="a", ttl=0)
+    leases.claim(owner="b")
+    with pytest.raises(leases.LeadershipLost), leases.fenced(old):
+        write_event("stale")
+    assert not Event.objects.filter(message="stale").exists()
+
+
+def test_fenced_write_after_the_lease_expired_changes_no_row() -> None:
+    # Nobody took over yet, but the row has expired: the holder must not act on it.
+    old = leases.claim(owner="a", ttl=0, renew_deadline=60)
+    with pytest.raises(leases.LeadershipLost), leases.fenced(old):
+        write_event("stale")
+    assert not Event.objects.exists()
+
+
+def test_fenced_block_past_its_local_deadline_does_not_touch_the_store(
+    fake_clock: FakeClock,
+) -> None:
+    held = leases.claim(owner="a", renew_deadline=6, clock=fake_clock)
+    fake_clock.advance(7)
+    with pytest.raises(leases.LeadershipLost), leases.fenced(held, clock=fake_clock):
+        write_event("late")
+    assert not Event.objects.exists()
+
+
+def test_writes_inside_a_fence_roll_back_when_the_block_fails() -> None:
+    held = leases.claim(owner="a")
+    with pytest.raises(RuntimeError), leases.fenced(held):
+        write_event("half")
+        raise RuntimeError("tick failed half-way")
+    assert not Event.objects.exists()
+
+
+def test_a_takeover_waits_for_the_fenced_block_in_flight() -> None:
+    """The fence holds the lease row: a claim racing a fenced block lands after its commit, so
+    the old epoch's writes all come before the new epoch begins."""
+    held = leases.claim(owner="a", ttl=0.5, renew_deadline=0.4)
+    entered = threading.Event()
+    results: dict[str, Any] = {}
+
+    def take_over() -> None:
+        entered.wait(5)
+        results["b"] = leases.claim(owner="b", ttl=60)
+        connection.close()
+
+    thread = threading.Thread(target=take_over)
+    thread.start()
+    with leases.fenced(held):
+        write_event("in flight")
+        entered.set()
+        # Hold the block open past the lease's expiry on the database clock.
+        thread.join(1.0)
+        assert thread.is_alive(), "the takeover must wait for the fenced transaction"
+    thread.join(10)
+    assert results["b"].is_leader and results["b"].epoch == 2
+    assert Event.objects.filter(message="in flight").count() == 1
+
+
+def test_leader_election_off_means_leader(settings: Any) -> None:
+    settings.LLMGW_LEADER_ELECTION = False
+    result = leases.claim()
+    assert result.is_leader and result.may_act()
+    with leases.fenced(result):
+        write_event("single control plane")
+    assert Event.objects.count() == 1
+    assert not Lease.objects.exists()
+
+
+def test_owner_id_is_stable_within_a_process_and_random() -> None:
+    assert leases.owner_id() == leases.owner_id()
+    import socket
+
+    assert leases.owner_id() != socket.gethostname()

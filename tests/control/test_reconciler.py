@@ -1,0 +1,300 @@
+"""The reconciler against the store: placement, activation, restart with backoff, lost nodes,
+drains, idle scale-down and eviction, all fenced. Agents are not running here; where a test
+needs an agent's report it writes the observed state the agent would have written."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from control import leases, reconciler
+from control.models import Event, Node, Replica, ServedModel, Shard
+from tests.harness.factories import gib, make_model, make_node
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
+
+
+@pytest.fixture
+def lead() -> leases.Leadership:
+    return leases.claim(owner="leader", ttl=60, renew_deadline=40)
+
+
+def run_tick(
+    lead: leases.Leadership, now: datetime | None = None, *, agents_alive: bool = True
+) -> reconciler.TickResult:
+    """A tick at ``now``; by default every node's agent has just sent a heartbeat."""
+    now = now or timezone.now()
+    if agents_alive:
+        Node.objects.update(last_heartbeat_at=now)
+    return reconciler.tick(lead, now)
+
+
+def running(model: ServedModel) -> list[Replica]:
+    return list(model.replicas.filter(desired=Replica.Desired.RUNNING).order_by("id"))
+
+
+def set_observed(replica: Replica, state: str, **fields: Any) -> None:
+    """What the agents' reports would have written."""
+    Shard.objects.filter(replica=replica).update(observed=state)
+    Replica.objects.filter(pk=replica.pk).update(observed=state, **fields)
+
+
+def test_minimum_replicas_are_placed_on_distinct_gpus_and_a_second_tick_changes_nothing(
+    lead: leases.Leadership,
+) -> None:
+    node = make_node("a", gpus=gib(80, 80, 80))
+    model = make_model("m", min_replicas=2, max_replicas=2)
+    result = run_tick(lead)
+    assert result.placed == 2
+    shards = list(Shard.objects.filter(replica__model=model))
+    assert [s.node_id for s in shards] == [node.pk, node.pk]
+    assert len({tuple(s.gpu_indices) for s in shards}) == 2
+    assert len({s.port for s in shards}) == 2
+    assert all(r.epoch == lead.epoch for r in running(model))
+    revision = Node.objects.get(pk=node.pk).desired_revision
+    assert revision >= 1, "the node's desired state changed"
+
+    again = run_tick(lead)
+    assert (again.placed, again.changed) == (0, 0)
+    assert Node.objects.get(pk=node.pk).desired_revision == revision
+
+
+def test_a_cold_model_gets_a_replica_only_when_a_request_waits(lead: leases.Leadership) -> None:
+    make_node("a", gpus=gib(80))
+    model = make_model("cold")
+    run_tick(lead)
+    assert running(model) == []
+    ServedModel.objects.filter(pk=model.pk).update(demand_at=timezone.now())
+    assert run_tick(lead).placed == 1
+    assert len(running(model)) == 1
+
+
+def test_an_unplaceable_replica_records_why_once(lead: leases.Leadership) -> None:
+    make_node("gpu-3", gpus=gib(80))
+    model = make_model("big", gpus=2, memory_gib=80, min_replicas=1)
+    run_tick(lead)
+    run_tick(lead)
+    model.refresh_from_db()
+    assert model.placement_note == "needs 2×80 GiB on one node; largest free is 1×80 GiB on gpu-3"
+    assert Event.objects.filter(message__startswith="cannot place").count() == 1
+
+
+def test_a_failed_replica_restarts_after_its_backoff_with_a_new_generation(
+    lead: leases.Leadership, settings: Any
+) -> None:
+    settings.LLMGW_BACKOFF_BASE = 2.0
+    make_node("a", gpus=gib(80))
+    model = make_model("m", min_replicas=1)
+    run_tick(lead)
+    (replica,) = running(model)
+    set_observed(replica, Replica.Observed.FAILED, failures=1, failure_class="crash")
+    now = timezone.now()
+    run_tick(lead, now)
+    replica.refresh_from_db()
+    assert replica.backoff_until == now + timedelta(seconds=2)
+    assert replica.generation == 1
+
+    run_tick(lead, now + timedelta(seconds=1))
+    replica.refresh_from_db()
+    assert replica.generation == 1, "not before the backoff ends"
+
+    run_tick(lead, now + timedelta(seconds=2.5))
+    replica.refresh_from_db()
+    assert (replica.generation, replica.observed) == (2, "pending")
+    assert replica.backoff_until is None
+    assert replica.failures == 1, "the failure count is kept until it is ready again"
+    assert len(running(model)) == 1, "restarted in place, not replaced"
+
+    set_observed(replica, Replica.Observed.FAILED, failures=2)
+    later = now + timedelta(seconds=3)
+    run_tick(lead, later)
+    replica.refresh_from_db()
+    assert replica.backoff_until == later + timedelta(seconds=4), "the backoff doubles"
+
+
+def test_replicas_on_a_lost_node_are_stopped_and_placed_elsewhere(
+    lead: leases.Leadership, settings: Any
+) -> None:
+    a = make_node("a", gpus=gib(80))
+    b = make_node("b", gpus=gib(80))
+    model = make_model("m", min_replicas=1)
+    Node.objects.filter(pk=b.pk).update(schedule=Node.Schedule.CORDONED)
+    run_tick(lead)
+    (first,) = running(model)
+    assert first.shards.get().node_id == a.pk
+    Node.objects.filter(pk=b.pk).update(schedule=Node.Schedule.ACTIVE)
+
+    lost_at = timezone.now() + timedelta(seconds=settings.LLMGW_LOST_AFTER + 1)
+    Node.objects.filter(pk=b.pk).update(last_heartbeat_at=lost_at)
+    run_tick(lead, lost_at, agents_alive=False)
+    assert Node.objects.get(pk=a.pk).health == Node.Health.LOST
+    first.refresh_from_db()
+    assert first.desired == Replica.Desired.STOPPED
+    (replacement,) = running(model)
+    assert replacement.shards.get().node_id == b.pk
+
+
+def test_draining_a_node_places_a_replacement_before_draining_the_old_replica(
+    lead: leases.Leadership,
+) -> None:
+    a = make_node("a", gpus=gib(80))
+    make_node("b", gpus=gib(80))
+    model = make_model("m", min_replicas=1, idle_timeout_s=3600)
+    Node.objects.filter(name="b").update(schedule=Node.Schedule.CORDONED)
+    run_tick(lead)
+    (old,) = running(model)
+    set_observed(old, Replica.Observed.READY)
+    Node.objects.filter(name="b").update(schedule=Node.Schedule.ACTIVE)
+    Node.objects.filter(pk=a.pk).update(schedule=Node.Schedule.DRAINING)
+
+    run_tick(lead)
+    old.refresh_from_db()
+    assert old.desired == Replica.Desired.RUNNING, "keeps serving until the replacement is ready"
+    new = model.replicas.exclude(pk=old.pk).get()
+    assert new.shards.get().node.name == "b"
+
+    set_observed(new, Replica.Observed.READY)
+    run_tick(lead)
+    old.refresh_from_db()
+    assert old.desired == Replica.Desired.DRAINING
+
+    set_observed(old, Replica.Observed.STOPPED)
+    run_tick(lead)
+    old.refresh_from_db()
+    assert old.desired == Replica.Desired.STOPPED
+
+
+def test_an_idle_model_scales_down_to_its_minimum_draining_ready_replicas(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80, 80))
+    now = timezone.now()
+    model = make_model(
+        "m", max_replicas=2, idle_timeout_s=60, activation_timeout_s=30, demand_at=now
+    )
+    ServedModel.objects.filter(pk=model.pk).update(min_replicas=2)
+    run_tick(lead, now)
+    assert len(running(model)) == 2
+    for replica in running(model):
+        set_observed(replica, Replica.Observed.READY)
+    ServedModel.objects.filter(pk=model.pk).update(min_replicas=0, last_request_at=now)
+
+    run_tick(lead, now + timedelta(seconds=30))
+    assert len(running(model)) == 2, "busy within its idle timeout"
+
+    run_tick(lead, now + timedelta(seconds=61))
+    assert running(model) == []
+    assert model.replicas.filter(desired=Replica.Desired.DRAINING).count() == 2
+
+
+def test_eviction_drains_an_idle_unpinned_replica_to_make_room_for_waiting_demand(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80))
+    now = timezone.now()
+    old = make_model("old", idle_timeout_s=3600, demand_at=now, last_request_at=now)
+    run_tick(lead, now)
+    (victim,) = running(old)
+    set_observed(victim, Replica.Observed.READY)
+
+    hot = make_model("hot", demand_at=now)
+    run_tick(lead, now)
+    victim.refresh_from_db()
+    assert victim.desired == Replica.Desired.DRAINING
+    assert running(hot) == [], "its GPU is not free until the drain completes"
+
+    set_observed(victim, Replica.Observed.STOPPED)
+    run_tick(lead, now)
+    assert len(running(hot)) == 1
+    assert Event.objects.filter(message__contains="evicted (idle) to make room for hot").exists()
+
+
+def test_pinned_replicas_and_replicas_serving_requests_are_not_evicted(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80, 80))
+    now = timezone.now()
+    pinned = make_model("pinned", pinned=True, demand_at=now, last_request_at=now)
+    serving = make_model("serving", demand_at=now, last_request_at=now, idle_timeout_s=3600)
+    run_tick(lead, now)
+    set_observed(running(pinned)[0], Replica.Observed.READY)
+    set_observed(running(serving)[0], Replica.Observed.READY)
+    Shard.objects.filter(replica__model=serving).update(requests_running=3)
+
+    hot = make_model("hot", demand_at=now)
+    run_tick(lead, now)
+    assert len(running(pinned)) == len(running(serving)) == 1
+    assert running(hot) == []
+    hot.refresh_from_db()
+    assert hot.placement_note.startswith("needs 1 GPU on one node")
+
+
+def test_a_deposed_leaders_tick_writes_nothing() -> None:
+    make_node("a", gpus=gib(80))
+    make_model("m", min_replicas=1)
+    old = leases.claim(owner="old", ttl=0, renew_deadline=30)
+    leases.claim(owner="new", ttl=60)
+    with pytest.raises(leases.LeadershipLost):
+        reconciler.tick(old, timezone.now())
+    assert not Replica.objects.exists()
+    assert not Event.objects.filter(kind=Event.Kind.PLACEMENT).exists()
+
+
+def test_run_once_acts_only_while_leading(settings: Any) -> None:
+    make_node("a", gpus=gib(80))
+    model = make_model("m", min_replicas=1)
+    leases.claim(owner="someone-else", ttl=60)
+    follower = reconciler.Reconciler()
+    assert not follower.run_once().acted
+    assert running(model) == []
+    leases.claim(owner="someone-else", ttl=0)
+    result = follower.run_once()
+    assert result.acted and result.placed == 1
+    follower.shutdown()
+    view = leases.read()
+    assert view is not None and not view.held, "shutdown released the lease"
+
+
+def test_with_leader_election_off_the_tick_needs_no_lease(settings: Any) -> None:
+    settings.LLMGW_LEADER_ELECTION = False
+    make_node("a", gpus=gib(80))
+    model = make_model("m", min_replicas=1)
+    assert reconciler.Reconciler().run_once().placed == 1
+    assert len(running(model)) == 1
+
+
+def test_deleting_a_model_asks_its_nodes_to_remove_its_weights_until_done(
+    lead: leases.Leadership,
+) -> None:
+    a = make_node("a", gpus=gib(80))
+    make_node("b", gpus=gib(80))
+    model = make_model("m", min_replicas=1)
+    make_model("other", min_replicas=0)
+    run_tick(lead)
+    assert model.replicas.get().shards.get().node_id == a.pk
+    model.delete()
+    assert Node.objects.get(name="a").remove_weights == ["org/m"]
+    assert Node.objects.get(name="b").remove_weights == [], "b never ran it"
+    assert Event.objects.filter(message__contains="weights org/m to be removed from a").exists()
+
+    run_tick(lead)
+    assert Node.objects.get(name="a").remove_weights == ["org/m"], "kept until the agent reports"
+    Node.objects.filter(name="a").update(weights_report=[{"name": "org/m", "state": "removed"}])
+    run_tick(lead)
+    assert Node.objects.get(name="a").remove_weights == []
+
+
+def test_a_model_re_added_with_the_same_source_cancels_the_removal(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80))
+    model = make_model("m", min_replicas=1)
+    run_tick(lead)
+    model.delete()
+    assert Node.objects.get(name="a").remove_weights == ["org/m"]
+    make_model("m2", source="org/m")
+    run_tick(lead)
+    assert Node.objects.get(name="a").remove_weights == []

@@ -1,0 +1,166 @@
+"""API keys: issued once, stored hashed, checked through an in-process cache (A6, G1)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from gateway import keys
+from gateway.models import ApiKey
+from tests.harness.clock import FakeClock
+from tests.harness.live import close_db_thread
+
+
+@pytest.fixture(autouse=True)
+def _db_thread_closed() -> Iterator[None]:
+    yield
+    close_db_thread()
+
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def alice() -> Any:
+    return get_user_model().objects.create_user(username="alice")
+
+
+def test_a_key_is_high_entropy_prefixed_and_stored_only_as_its_hash(alice: Any) -> None:
+    issued = keys.issue("alice", models=["b", "a", "a"])
+    assert keys.well_formed(issued.key) and len(issued.key) == 49
+    row = ApiKey.objects.get()
+    assert row.prefix == issued.key[:14] and row.prefix.startswith("llmgw-")
+    assert row.key_hash == hashlib.sha256(issued.key.encode()).hexdigest()
+    assert issued.key not in str(ApiKey.objects.values().get())
+    assert row.allowed_models == ["a", "b"]
+    assert keys.issue("alice").key != issued.key
+
+
+async def test_a_warm_key_costs_no_query_and_revocation_shows_after_the_ttl(
+    alice: Any, settings: Any
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    settings.LLMGW_KEY_CACHE_TTL = 5.0
+    clock = FakeClock()
+    cache = keys.KeyCache(clock)
+    issued = await sync_to_async(keys.issue)("alice")
+    assert (await cache.lookup(issued.key)) is not None
+
+    def warm_lookups() -> int:
+        with CaptureQueriesContext(connection) as queries:
+            return len(queries)
+
+    before = await sync_to_async(warm_lookups)()
+    info = await cache.lookup(issued.key)
+    assert info is not None and before == 0
+    await sync_to_async(keys.revoke)(issued.api_key.pk)
+    assert (await cache.lookup(issued.key)) is not None  # still cached
+    clock.advance(5.1)
+    revoked = await cache.lookup(issued.key)
+    assert revoked is not None and revoked.revoked and not revoked.usable(0)
+
+
+async def test_a_key_in_use_is_reloaded_ahead_of_its_ttl_without_waiting(
+    alice: Any, settings: Any
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    settings.LLMGW_KEY_CACHE_TTL = 4.0
+    clock = FakeClock()
+    cache = keys.KeyCache(clock)
+    issued = await sync_to_async(keys.issue)("alice")
+    assert await cache.lookup(issued.key) is not None
+    await sync_to_async(keys.revoke)(issued.api_key.pk)
+    clock.advance(2.5)  # past half the TTL: answered from the cache, reloaded behind it
+    served = await cache.lookup(issued.key)
+    assert served is not None and not served.revoked
+    await cache.settled()
+    reloaded = await cache.lookup(issued.key)
+    assert reloaded is not None and reloaded.revoked
+
+
+async def test_unknown_and_malformed_keys_are_none(alice: Any) -> None:
+    assert await keys.authenticate(None) is None
+    assert await keys.authenticate("Basic abc") is None
+    assert await keys.authenticate("Bearer llmgw-short") is None
+    assert await keys.authenticate("Bearer llmgw-" + "Z" * 43) is None
+
+
+async def test_expiry_applies_to_the_second_even_when_cached(alice: Any) -> None:
+    from asgiref.sync import sync_to_async
+
+    soon = datetime.now(tz=UTC) + timedelta(seconds=30)
+    issued = await sync_to_async(keys.issue)("alice", expires_at=soon)
+    info = await keys.cache.lookup(issued.key)
+    assert info is not None
+    assert info.usable(soon.timestamp() - 1)
+    assert not info.usable(soon.timestamp())
+
+
+async def test_a_deactivated_owners_keys_stop_working(alice: Any) -> None:
+    from asgiref.sync import sync_to_async
+
+    issued = await sync_to_async(keys.issue)("alice")
+    await sync_to_async(get_user_model().objects.filter(pk=alice.pk).update)(is_active=False)
+    keys.cache.clear()
+    assert await keys.authenticate(f"Bearer {issued.key}") is None
+
+
+def test_expiry_accepts_dates_and_durations() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    assert keys.parse_expiry("30d", now=now) == now + timedelta(days=30)
+    assert keys.parse_expiry("12h", now=now) == now + timedelta(hours=12)
+    assert keys.parse_expiry("2027-01-01").year == 2027
+    with pytest.raises(ValueError):
+        keys.parse_expiry("soon")
+
+
+def test_create_api_key_prints_the_key_once(alice: Any, capsys: Any) -> None:
+    call_command("create_api_key", "alice", "--models", "m1,m2", "--rpm", "5", "--expires", "30d")
+    out, err = capsys.readouterr()
+    key = out.strip()
+    row = ApiKey.objects.get()
+    assert keys.hash_key(key) == row.key_hash
+    assert (row.allowed_models, row.rpm_limit) == (["m1", "m2"], 5)
+    assert row.expires_at is not None
+    assert key not in err and row.prefix in err
+    with pytest.raises(CommandError):
+        call_command("create_api_key", "nobody")
+    with pytest.raises(CommandError):
+        call_command("create_api_key", "alice", "--expires", "tomorrow-ish")
+
+
+async def test_a_known_key_keeps_working_while_the_store_is_down(
+    alice: Any, settings: Any, request: pytest.FixtureRequest
+) -> None:
+    """U3's choice for keys: seen recently, trusted through the outage; never seen, 503."""
+    from asgiref.sync import sync_to_async
+
+    from gateway.errors import ApiError
+
+    settings.LLMGW_KEY_CACHE_TTL = 1.0
+    clock = FakeClock()
+    cache = keys.KeyCache(clock)
+    issued = await sync_to_async(keys.issue)("alice")
+    assert await cache.lookup(issued.key) is not None
+    close_db_thread()  # its open connection would otherwise hide the outage
+    # In the database thread: that is the connection the lookups use.
+    await sync_to_async(request.getfixturevalue)("store_unreachable")
+    clock.advance(5)
+    assert await cache.lookup(issued.key) is not None
+    await cache.settled()
+    with pytest.raises(ApiError) as unknown:
+        await cache.lookup("llmgw-" + "B" * 43)
+    assert unknown.value.status == 503 and unknown.value.retry_after
+    clock.advance(keys.STALE_FOR_S + 10)
+    with pytest.raises(ApiError):
+        await cache.lookup(issued.key)

@@ -1,0 +1,175 @@
+"""Limits: the counters a request takes (pure) and their atomic stores (the database on both
+backends, and Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from gateway import limits
+from gateway.errors import ApiError
+from gateway.keys import KeyInfo
+from tests.harness.live import close_db_thread
+from tests.harness.redis import RedisServer
+
+
+@pytest.fixture(autouse=True)
+def _db_thread_closed() -> Iterator[None]:
+    yield
+    close_db_thread()
+
+
+def key(**limits_: Any) -> KeyInfo:
+    return KeyInfo(
+        id=1,
+        user_id=1,
+        prefix="llmgw-" + secrets.token_hex(4),
+        allowed_models=frozenset(),
+        rpm_limit=limits_.get("rpm"),
+        tpm_limit=limits_.get("tpm"),
+        token_budget=limits_.get("budget"),
+        budget_period=limits_.get("period", "month"),
+        expires_at=None,
+        revoked=False,
+    )
+
+
+NOW = datetime(2026, 3, 18, 12, 30, 45, tzinfo=UTC).timestamp()  # a Wednesday
+
+
+def test_a_key_without_limits_takes_no_counter() -> None:
+    assert limits.counters_for(key(), 100, NOW) == ()
+
+
+def test_rpm_takes_one_and_tpm_and_budget_take_the_estimate() -> None:
+    counters = limits.counters_for(key(rpm=5, tpm=1000, budget=10**6), 120, NOW)
+    assert [(c.kind, c.amount, c.limit) for c in counters] == [
+        ("rpm", 1, 5),
+        ("tpm", 120, 1000),
+        ("budget", 120, 10**6),
+    ]
+    minute_end = datetime(2026, 3, 18, 12, 31, tzinfo=UTC).timestamp()
+    assert counters[0].window_end == counters[1].window_end == minute_end
+
+
+@pytest.mark.parametrize(
+    ("period", "start", "end"),
+    [
+        ("day", datetime(2026, 3, 18, tzinfo=UTC), datetime(2026, 3, 19, tzinfo=UTC)),
+        ("week", datetime(2026, 3, 16, tzinfo=UTC), datetime(2026, 3, 23, tzinfo=UTC)),
+        ("month", datetime(2026, 3, 1, tzinfo=UTC), datetime(2026, 4, 1, tzinfo=UTC)),
+    ],
+)
+def test_budget_periods_are_calendar_windows(period: str, start: datetime, end: datetime) -> None:
+    assert limits.period_bounds(period, NOW) == (start.timestamp(), end.timestamp())
+
+
+def test_the_estimate_covers_the_prompt_and_every_choice(settings: Any) -> None:
+    settings.LLMGW_DEFAULT_MAX_TOKENS = 100
+    assert limits.estimate_tokens(400, None, 1) == 200
+    assert limits.estimate_tokens(400, 10, 3) == 130
+
+
+def test_refusals_are_429_with_retry_after_until_the_window_ends() -> None:
+    rpm, _, budget = limits.counters_for(key(rpm=1, tpm=10, budget=10), 5, NOW)
+    assert limits.refusal(rpm, NOW).retry_after == pytest.approx(15)
+    assert limits.refusal(budget, NOW).code == "insufficient_quota"
+    too_big = limits.Counter("x", "tpm", 10, 50, NOW + 15)
+    error = limits.refusal(too_big, NOW)
+    assert error.status == 429 and error.retry_after is None  # waiting would not help
+
+
+def run_in_threads(count: int, work: Any) -> list[Any]:
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        value = work()
+        with lock:
+            results.append(value)
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_database_store_never_lets_racers_past_the_limit() -> None:
+    """Eight threads, each its own connection, forty reservations against a limit of 15."""
+    from django.db import connection
+
+    counters = limits.counters_for(key(rpm=15, tpm=10**6), 10, NOW)
+
+    def take() -> bool:
+        try:
+            return limits._take_in_store(counters) is None
+        finally:
+            connection.close()
+
+    results = run_in_threads(40, take)
+    assert results.count(True) == 15
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refused_counter_rolls_back_the_ones_taken_before_it() -> None:
+    rpm, tpm = limits.counters_for(key(rpm=10, tpm=100), 60, NOW)
+    assert limits._take_in_store([rpm, tpm]) is None
+    assert limits._take_in_store([rpm, tpm]) == tpm  # 120 > 100
+    from gateway.models import LimitCounter
+
+    used = dict(LimitCounter.objects.values_list("name", "used"))
+    assert used == {rpm.name: 1, tpm.name: 60}
+    limits._adjust_in_store([tpm], -50)  # the request used 10 of its 60
+    assert LimitCounter.objects.get(name=tpm.name).used == 10
+    assert limits._take_in_store([rpm, tpm]) is None
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_reserve_raises_429_when_a_limit_is_reached(settings: Any) -> None:
+    settings.REDIS_URL = ""
+    limits._store = None
+    limited = key(rpm=2)
+    await limits.reserve(limited, 1, NOW)
+    await limits.reserve(limited, 1, NOW)
+    with pytest.raises(ApiError) as refused:
+        await limits.reserve(limited, 1, NOW)
+    assert refused.value.status == 429
+    assert await limits.reserve(limited, 1, NOW + 60) is not None  # the next minute
+
+
+async def test_the_redis_store_is_atomic_under_concurrency(redis_server: RedisServer) -> None:
+    store = limits.RedisStore(redis_server.url)
+    rpm, tpm = limits.counters_for(key(rpm=25, tpm=10**6), 7, NOW)
+    results = await asyncio.gather(*(store.take([rpm, tpm]) for _ in range(60)))
+    assert sum(r is None for r in results) == 25
+    refused = {r.name for r in results if r is not None}
+    assert refused == {rpm.name}
+    await store.adjust([tpm], -7 * 25)
+    assert int(await store._client.get(f"llmgw:{tpm.name}")) == 0
+    assert 0 < await store._client.ttl(f"llmgw:{rpm.name}") <= 120
+    await store._client.aclose()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_limits_that_cannot_be_checked_are_not_waived(
+    settings: Any, request: pytest.FixtureRequest
+) -> None:
+    settings.REDIS_URL = ""
+    limits._store = None
+    close_db_thread()
+    # In the database thread: that is the connection the lookups use.
+    await sync_to_async(request.getfixturevalue)("store_unreachable")
+    with pytest.raises(ApiError) as unavailable:
+        await limits.reserve(key(rpm=5), 1, NOW)
+    assert unavailable.value.status == 503
+    assert await limits.reserve(key(), 1, NOW) is limits.NO_RESERVATION  # no limits, no store

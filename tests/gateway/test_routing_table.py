@@ -1,0 +1,52 @@
+"""The routing table loaded from the store: what takes traffic and what never does (G5)."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.exceptions import ValidationError
+
+from control.models import Node, Replica
+from gateway.models import Endpoint
+from gateway.upstreams import load_table
+from tests.harness.factories import serve_model
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://169.254.169.254/latest/", "http://metadata.google.internal/", "file:///etc/passwd"],
+)
+def test_an_endpoint_at_a_metadata_or_file_url_is_refused_at_save(url: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        Endpoint(slug="bad", url=url, model_names=["m"]).save()
+    assert "url" in refused.value.message_dict
+    assert not Endpoint.objects.exists()
+
+
+def test_an_operator_may_allow_a_link_local_endpoint_on_purpose() -> None:
+    Endpoint(
+        slug="ok", url="http://169.254.10.10:8000", model_names=["m"], allow_private_address=True
+    ).save()
+    route = load_table().resolve("m")
+    assert route is not None and route.upstreams[0].base_url == "http://169.254.10.10:8000"
+
+
+def test_a_row_written_around_the_check_is_still_not_routed() -> None:
+    Endpoint(slug="sneaky", url="http://10.0.0.1:8000", model_names=["m"]).save()
+    Endpoint.objects.filter(slug="sneaky").update(url="http://169.254.169.254/")
+    assert load_table().resolve("m") is None
+
+
+def test_only_ready_running_replicas_on_healthy_undrained_nodes_take_traffic() -> None:
+    served = serve_model("m", [8001, 8002, 8003, 8004])
+    first, second, third, fourth = served.replicas
+    Replica.objects.filter(pk=second.pk).update(observed=Replica.Observed.STARTING)
+    Replica.objects.filter(pk=third.pk).update(desired=Replica.Desired.DRAINING)
+    Node.objects.filter(shards__replica=fourth).update(schedule=Node.Schedule.DRAINING)
+    route = load_table().resolve("m")
+    assert route is not None
+    assert [u.id for u in route.upstreams] == [f"replica:{first.pk}"]
+    Node.objects.filter(shards__replica=first).update(health=Node.Health.UNREACHABLE)
+    cold = load_table().resolve("m")
+    assert cold is not None and cold.upstreams == () and cold.catalog_id == served.model.pk

@@ -1,0 +1,253 @@
+"""The relay's HTTP/1.1 client (``gateway.upstream_client``) against real sockets: small
+asyncio servers on loopback that answer the way engines do, and the ways they fail."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from gateway.upstream_client import HIGH_WATER, Broken, Dropped, Pool, Unreachable
+from tests.harness.procs import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Upstream"], Awaitable[None]]
+
+
+@dataclass
+class Upstream:
+    """A scripted server: ``handler`` runs once per connection."""
+
+    handler: Handler
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, self)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        request = head + await reader.readexactly(length)
+        self.requests.append(request)
+        return request
+
+
+@contextlib.asynccontextmanager
+async def upstream(handler: Handler) -> AsyncIterator[Upstream]:
+    scripted = Upstream(handler)
+    server = await asyncio.start_server(scripted.serve, "127.0.0.1", 0)
+    scripted.port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield scripted
+
+
+def answer(body: bytes, *extra: bytes) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(
+        body
+    )
+    return head + b"".join(extra) + b"\r\n" + body
+
+
+def answering(raw: bytes, *, then_wait_for_eof: bool = False) -> Handler:
+    """An upstream that answers every request on a connection with ``raw``."""
+
+    async def engine(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
+    ) -> None:
+        while True:
+            await up.read_request(reader)
+            writer.write(raw)
+            await writer.drain()
+            if then_wait_for_eof:
+                await reader.read()
+                return
+
+    return engine
+
+
+@pytest.fixture
+def pool() -> Iterator[Pool]:
+    connections = Pool(keepalive_s=30)
+    yield connections
+    connections.close()
+
+
+async def post(pool: Pool, url: str, body: bytes = b'{"x":1}') -> tuple[int, bytes]:
+    response = await pool.post(
+        url, "/v1/chat/completions", body, b"X-Request-Id: r1\r\n", connect_timeout=5
+    )
+    data = await response.read()
+    response.release()
+    return response.status, data
+
+
+async def test_answers_come_back_whole_over_one_kept_alive_connection(pool: Pool) -> None:
+    async with upstream(answering(answer(b'{"ok":true}'))) as up:
+        answers = [await post(pool, up.url, b'{"n":%d}' % i) for i in range(3)]
+    assert answers == [(200, b'{"ok":true}')] * 3
+    assert up.connections == 1
+    first = up.requests[0]
+    assert first.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert b"\r\nHost: 127.0.0.1:%d\r\n" % up.port in first
+    assert b"\r\nX-Request-Id: r1\r\n" in first
+    assert first.endswith(b'Content-Length: 7\r\n\r\n{"n":0}')
+
+
+async def test_a_chunked_stream_is_handed_over_as_each_piece_arrives(pool: Pool) -> None:
+    next_piece = asyncio.Event()
+
+    async def engine(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
+    ) -> None:
+        await up.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for event in (b"data: 1\n\n", b"data: 2\n\n"):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await next_piece.wait()  # the second piece is sent only after the first was read
+            next_piece.clear()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with upstream(engine) as up:
+        response = await pool.post(up.url, "/v1/completions", b"{}", b"", connect_timeout=5)
+        assert await response.read_piece() == b"data: 1\n\n"
+        next_piece.set()
+        assert await response.read_piece() == b"data: 2\n\n"
+        next_piece.set()
+        assert await response.read_piece() == b""
+        assert response.complete
+        response.release()
+
+
+async def test_a_body_without_a_length_ends_with_the_connection_which_is_not_reused(
+    pool: Pool,
+) -> None:
+    async def engine(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
+    ) -> None:
+        await up.read_request(reader)
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"all":')
+        await writer.drain()
+        writer.write(b'"of it"}')
+
+    async with upstream(engine) as up:
+        assert await post(pool, up.url) == (200, b'{"all":"of it"}')
+        assert await post(pool, up.url) == (200, b'{"all":"of it"}')
+    assert up.connections == 2
+
+
+async def test_an_answer_saying_connection_close_is_not_reused(pool: Pool) -> None:
+    closing = answer(b"{}", b"Connection: close\r\n")
+    async with upstream(answering(closing, then_wait_for_eof=True)) as up:
+        for _ in range(2):
+            assert await post(pool, up.url) == (200, b"{}")
+    assert up.connections == 2
+
+
+async def test_a_reused_connection_closed_without_an_answer_is_dropped_a_fresh_one_broken(
+    pool: Pool,
+) -> None:
+    async def engine(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
+    ) -> None:
+        await up.read_request(reader)
+        if up.connections == 1:
+            writer.write(answer(b"{}"))
+            await writer.drain()
+            await up.read_request(reader)  # the second request on this connection: no answer
+
+    async with upstream(engine) as up:
+        assert await post(pool, up.url) == (200, b"{}")
+        with pytest.raises(Dropped):
+            await post(pool, up.url)
+        with pytest.raises(Broken):
+            await post(pool, up.url)  # a new connection, closed without an answer
+
+
+async def test_a_port_nobody_listens_on_is_unreachable(pool: Pool) -> None:
+    with pytest.raises(Unreachable):
+        await post(pool, f"http://127.0.0.1:{free_port()}")
+
+
+async def test_an_answer_that_is_not_http_is_broken(pool: Pool) -> None:
+    async with upstream(answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n", then_wait_for_eof=True)) as up:
+        with pytest.raises(Broken):
+            await post(pool, up.url)
+
+
+async def test_a_client_that_does_not_read_stops_the_upstream_instead_of_buffering(
+    pool: Pool,
+) -> None:
+    size = 64 * HIGH_WATER
+    blocked = asyncio.Event()
+
+    async def engine(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
+    ) -> None:
+        await up.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        # Let unsent bytes pile up here well past what the check below looks for.
+        writer.transport.set_write_buffer_limits(high=8 * HIGH_WATER)
+        piece = b"x" * 65536
+        for _ in range(size // len(piece)):
+            writer.write(piece)
+            if writer.transport.get_write_buffer_size() > 4 * HIGH_WATER:
+                blocked.set()  # the bytes pile up here, not in the client
+            await asyncio.sleep(0)  # the client shares this loop: let it read
+            await writer.drain()
+        await reader.read()
+
+    async with upstream(engine) as up:
+        response = await pool.post(up.url, "/v1/completions", b"{}", b"", connect_timeout=5)
+        async with asyncio.timeout(30):
+            await blocked.wait()
+        # What the client holds is bounded by the high-water mark and one read's worth.
+        assert response._buffered <= HIGH_WATER + 1024 * 1024
+        received = len(await response.read())
+        response.release()
+    assert received == size
+
+
+async def test_idle_connections_past_the_keepalive_are_not_reused() -> None:
+    pool = Pool(keepalive_s=0.0)
+    async with upstream(answering(answer(b"{}"))) as up:
+        for _ in range(2):
+            assert await post(pool, up.url) == (200, b"{}")
+    assert up.connections == 2
+    pool.close()
+
+
+async def test_a_base_url_with_a_path_keeps_it_in_front_of_the_route(pool: Pool) -> None:
+    async with upstream(answering(answer(b"{}"))) as up:
+        assert await post(pool, up.url + "/openai") == (200, b"{}")
+    assert up.requests[0].startswith(b"POST /openai/v1/chat/completions HTTP/1.1\r\n")
+
+
+async def test_bytes_after_a_complete_answer_drop_the_connection(pool: Pool) -> None:
+    async with (
+        upstream(answering(answer(b"{}") + answer(b"{}"), then_wait_for_eof=True)) as up,
+        asyncio.timeout(10),  # a connection wrongly trusted again would wait forever
+    ):
+        with contextlib.suppress(Broken):
+            await post(pool, up.url)
+        assert await post(pool, up.url) == (200, b"{}")
+    assert up.connections == 2  # the first connection was not trusted again

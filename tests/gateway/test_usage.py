@@ -1,0 +1,145 @@
+"""The usage pipeline's parts: rows stored once, journals replayed, dead processes swept."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway import usage
+from gateway.models import UsageRecord
+from gateway.usage import Usage
+from tests.harness.live import close_db_thread
+
+
+@pytest.fixture(autouse=True)
+def _db_thread_closed() -> Iterator[None]:
+    yield
+    close_db_thread()
+
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def record(request_id: str, **fields: Any) -> Usage:
+    return Usage(request_id, None, None, "m", "chat", time.time(), **fields)
+
+
+def test_storing_the_same_rows_twice_keeps_one_of_each() -> None:
+    rows = [record("r1", completion_tokens=3), record("r2")]
+    usage.store_rows(rows)
+    usage.store_rows(rows)
+    assert sorted(UsageRecord.objects.values_list("request_id", "completion_tokens")) == [
+        ("r1", 3),
+        ("r2", 0),
+    ]
+
+
+def test_rows_of_a_deleted_key_are_kept_without_the_key(django_user_model: Any) -> None:
+    from gateway import keys
+
+    django_user_model.objects.create_user(username="u")
+    issued = keys.issue("u")
+    stale = record("r1")
+    stale.api_key_id, stale.user_id = issued.api_key.pk, issued.api_key.user_id
+    issued.api_key.delete()
+    usage.store_rows([stale, record("r2")])
+    row = UsageRecord.objects.get(request_id="r1")
+    assert row.api_key_id is None and row.user_id is not None
+
+
+def test_a_model_name_with_a_nul_byte_is_stored_and_holds_back_no_other_row() -> None:
+    """The model name is the client's string; PostgreSQL text cannot hold NUL."""
+    usage.store_rows([record("r1"), Usage("r2", None, None, "m\x00x", "chat", time.time())])
+    assert dict(UsageRecord.objects.values_list("request_id", "model")) == {
+        "r1": "m",
+        "r2": "m\ufffdx",
+    }
+
+
+def write_journal(path: Path, lines: list[bytes]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(lines))
+
+
+def test_journal_lines_read_back_whatever_model_name_a_client_sent(tmp_path: Path) -> None:
+    # A lone surrogate is valid JSON to Python but not UTF-8: it must not cost the row.
+    names = ["m", "模型-ü", "bad\ud800name", 'quote"and\\slash']
+    path = tmp_path / "1-a.journal"
+    write_journal(
+        path,
+        [
+            usage._line("d", Usage(f"r{i}", None, None, name, "chat", 1.0))
+            for i, name in enumerate(names)
+        ],
+    )
+    assert [row.model for row in usage.read_journal(path)] == names
+
+
+def test_a_dead_processs_journal_is_replayed_and_open_requests_closed(tmp_path: Path) -> None:
+    done = record("done-1", status=200, completion_tokens=5, finish_reason="stop")
+    started = record("open-1", upstream="replica:3", stream=True)
+    finished_start = record("done-1")
+    write_journal(
+        tmp_path / "111-aa.journal",
+        [
+            usage._line("s", finished_start),
+            usage._line("s", started),
+            usage._line("d", done),
+            b'{"t":"d","request_id":"cut-sho',  # the last line of a process killed mid-write
+        ],
+    )
+    assert usage.sweep(tmp_path) == 2
+    rows = {
+        r.request_id: r for r in UsageRecord.objects.filter(request_id__in=["done-1", "open-1"])
+    }
+    assert rows["done-1"].finish_reason == "stop" and rows["done-1"].completion_tokens == 5
+    assert rows["open-1"].finish_reason == "interrupted" and rows["open-1"].upstream == "replica:3"
+    assert not list(tmp_path.glob("*.journal"))
+
+
+def test_a_live_processs_journal_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "222-bb.journal"
+    write_journal(path, [usage._line("s", record("busy"))])
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as its owner holds it while alive
+    try:
+        assert usage.sweep(tmp_path) == 0
+        assert path.exists() and not UsageRecord.objects.filter(request_id="busy").exists()
+    finally:
+        os.close(fd)
+    assert usage.sweep(tmp_path) == 1
+
+
+async def test_the_recorder_writes_in_batches_and_rotates_its_journal(
+    tmp_path: Path, settings: Any
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    settings.LLMGW_USAGE_JOURNAL_DIR = tmp_path
+    recorder = usage.Recorder()
+    in_flight = record("still-running")
+    recorder.start(in_flight)
+    for i in range(5):
+        recorder.start(record(f"r{i}"))
+        recorder.finish(record(f"r{i}", status=200))
+    assert await recorder.flush() == 5
+    mine = UsageRecord.objects.filter(request_id__in=[f"r{i}" for i in range(5)])
+    assert await sync_to_async(mine.count)() == 5
+    first = recorder._path
+    recorder._segment_started -= usage.SEGMENT_SECONDS  # an old segment: rotate after a flush
+    recorder.finish(record("r5", status=200))
+    await recorder.flush()
+    assert recorder._path != first and first is not None and not first.exists()
+    # The request still in flight was carried over into the new segment.
+    assert recorder._path is not None
+    assert b"still-running" in recorder._path.read_bytes()
+    await sync_to_async(recorder.close)()  # as at exit: open requests become interrupted rows
+    row = await sync_to_async(UsageRecord.objects.get)(request_id="still-running")
+    assert row.finish_reason == "interrupted"
+    assert not list(tmp_path.glob("*.journal"))

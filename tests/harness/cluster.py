@@ -1,0 +1,590 @@
+"""A real llmgw cluster on loopback, for end-to-end tests of the control plane and the agents.
+
+A control plane is a web process (started as ``manage.py run`` starts one) and, unless asked
+otherwise, a Celery worker and beat, with a var folder of its own as a separate host would
+have; all share the test database and a private ``redis-server`` (broker and channel layer)
+this harness starts, so tests may stop and restart it. Agents are ``python -m agents`` with
+simulated GPUs; each has a window of engine ports of its own, because all their engines share
+this machine's loopback.
+
+What the tests observe comes from the store, the processes and the wire: an
+:class:`InvariantChecker` reads the store and the live engines throughout and records every
+violation of the two promises (no GPU given to two shards, no model above its replica count);
+:class:`TaskEvents` receives the workers' Celery task events, so a test knows when a tick ran
+without reading a log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+from django.db import connection
+
+from agents.processes import process_start_ticks
+from control import node_tokens
+from control.models import Event, Node, Replica, ServedModel, Shard
+from llmgw_site.management.commands.run import celery_argv
+from tests.harness.procs import (
+    PORT_WINDOW,
+    PYTHON,
+    Proc,
+    engine_port,
+    engine_processes,
+    port_window,
+    web_process,
+)
+from tests.harness.redis import RedisServer
+from tests.harness.store import child_env, execute_now
+
+LIVE = {"starting", "ready", "draining"}
+
+# Short intervals, so that failures play out in seconds. The lease TTL bounds failover.
+FAST = {
+    "LLMGW_LEADER_ELECTION": "true",
+    "LLMGW_LEASE_TTL": "3",
+    "LLMGW_LEASE_RENEW_DEADLINE": "2",
+    "LLMGW_RECONCILE_INTERVAL": "0.5",
+    "LLMGW_UNREACHABLE_AFTER": "3",
+    "LLMGW_LOST_AFTER": "6",
+    "LLMGW_AGENT_HEARTBEAT_INTERVAL": "0.5",
+    "LLMGW_AGENT_RESYNC_INTERVAL": "2",
+    "LLMGW_BACKOFF_BASE": "0.5",
+    "LLMGW_BACKOFF_MAX": "2",
+    "LLMGW_DRAIN_TIMEOUT": "3",
+    "LLMGW_LOG_LEVEL": "INFO",
+}
+
+
+class TcpProxy:
+    """A loopback TCP forwarder that can cut every connection through it, for "this host lost
+    the database, the others did not" (a partition of one process, not of the store)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = int(self.listener.getsockname()[1])
+        self.cut_off = threading.Event()
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut_off.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """End every connection at once (both sides see it closed or reset, as when a
+        firewall starts rejecting) and refuse new ones until :meth:`restore`."""
+        self.cut_off.set()
+        with self.lock:
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                    )
+                # A thread blocked in recv() on this socket keeps it open through close();
+                # shutdown() wakes it, so the far end learns now, not at the next write.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            self.sockets.clear()
+
+    def restore(self) -> None:
+        self.cut_off.clear()
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+
+@dataclass
+class ControlPlane:
+    """One control-plane host: its web process, and its reconciler worker and beat."""
+
+    name: str
+    var: Path
+    env: dict[str, str]
+    port: int
+    web: Proc | None = None
+    worker: Proc | None = None
+    beat: Proc | None = None
+    proxy: TcpProxy | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def services(self) -> list[Proc]:
+        return [p for p in (self.web, self.worker, self.beat) if p is not None]
+
+    def start_web(self, **env: str) -> Proc:
+        """(Re)start the web process on this plane's port, with ``env`` over its settings."""
+        if self.web is not None:
+            self.web.stop()
+        self.web = web_process(
+            f"{self.name}-web", self.var / "logs", {**self.env, **env}, port=self.port
+        )
+        return self.web
+
+    def stop_web(self) -> None:
+        if self.web is not None:
+            self.web.stop()
+
+
+@dataclass
+class Agent:
+    """One node's agent: where it keeps its token, state and weights, and its incarnations."""
+
+    name: str
+    home: Path
+    ports: tuple[int, int]
+    argv: list[str]
+    env: dict[str, str]
+    proc: Proc | None = None
+
+    @property
+    def token_file(self) -> Path:
+        return self.home / "token"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.home / "state"
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.home / "weights"
+
+    def start(self, *extra: str, urls: Sequence[str] = ()) -> Proc:
+        """A new incarnation (its own log), optionally with other control-plane addresses."""
+        argv = list(self.argv)
+        if urls:
+            argv = [a for i, a in enumerate(argv) if not _is_control_plane_arg(argv, i)]
+            argv += [a for url in urls for a in ("--control-plane", url)]
+        self.proc = Proc(f"agent-{self.name}", [*argv, *extra], self.home / "logs", self.env)
+        return self.proc.start()
+
+    def shard_pids(self) -> dict[int, int]:
+        """Shard id → engine pid, from the agent's own record of what it runs."""
+        try:
+            data = json.loads((self.state_dir / "shards.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return {
+            int(s["spec"]["shard_id"]): int(s["pid"])
+            for s in data.get("shards", [])
+            if process_start_ticks(int(s["pid"])) == s["start"]  # still that very process
+        }
+
+    def engines(self) -> dict[int, list[int]]:
+        """Shard id → pids of the live engines serving it on this node, as the OS sees them."""
+        found: dict[int, list[int]] = defaultdict(list)
+        for pid, env in engine_processes():
+            port = engine_port(pid) or 0
+            if self.ports[0] <= port <= self.ports[1]:
+                found[int(env["LLMGW_SHARD_ID"])].append(pid)
+        return dict(found)
+
+    def free_port(self) -> int:
+        """A port in this agent's window that nothing listens on."""
+        for port in random.sample(range(self.ports[0], self.ports[1] + 1), PORT_WINDOW):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+        raise AssertionError(f"no free port in {self.ports}")
+
+
+def _is_control_plane_arg(argv: list[str], i: int) -> bool:
+    return argv[i] == "--control-plane" or (i > 0 and argv[i - 1] == "--control-plane")
+
+
+@dataclass
+class Cluster:
+    root: Path
+    settings: dict[str, str] = field(default_factory=lambda: dict(FAST))
+    redis: RedisServer | None = None
+    control_planes: list[ControlPlane] = field(default_factory=list)
+    agents: dict[str, Agent] = field(default_factory=dict)
+
+    def start_redis(self) -> RedisServer:
+        self.redis = RedisServer(self.root / "redis").start()
+        return self.redis
+
+    # --- control planes ----------------------------------------------------------------
+
+    def add_control_plane(
+        self, *, reconciler: bool = True, via_proxy: bool = False, port: int = 0, **settings: str
+    ) -> ControlPlane:
+        """A control plane on the test database; ``via_proxy`` routes its store connections
+        through a :class:`TcpProxy` (PostgreSQL) so that the test can cut this host off."""
+        assert self.redis is not None, "start_redis() first"
+        name = f"cp{len(self.control_planes) + 1}"
+        var = self.root / name
+        var.mkdir(parents=True, exist_ok=True)
+        env = child_env(
+            REDIS_URL=self.redis.url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
+        )
+        proxy = None
+        if via_proxy and connection.vendor == "postgresql":
+            proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
+            env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
+        plane = ControlPlane(name, var, env, port, proxy=proxy)
+        self.control_planes.append(plane)
+        plane.web = web_process(f"{name}-web", var / "logs", env, port=port)
+        plane.port = plane.web.port
+        if reconciler:
+            # As ``manage.py run`` starts them, plus task events (-E) for TaskEvents.
+            worker = celery_argv("worker", "--pool", "solo", "-n", f"{name}@%h", "-E")
+            plane.worker = Proc(f"{name}-worker", worker, var / "logs", env).start()
+            beat = celery_argv("beat", "--schedule", str(var / "beat-schedule"))
+            plane.beat = Proc(f"{name}-beat", beat, var / "logs", env).start()
+        return plane
+
+    # --- agents ------------------------------------------------------------------------
+
+    def add_agent(
+        self, name: str, *extra: str, gpus: str = "2x80GiB", urls: Sequence[str] = ()
+    ) -> Agent:
+        """An agent for node ``name`` (its token issued now), connected to every control
+        plane unless ``urls`` says otherwise."""
+        home = self.root / "agents" / name
+        home.mkdir(parents=True, exist_ok=True)
+        low, high = port_window({a.ports[0] for a in self.agents.values()})
+        argv = [PYTHON, "-m", "agents", "--node", name]
+        for url in urls or [p.url for p in self.control_planes]:
+            argv += ["--control-plane", url]
+        argv += [
+            "--token-file", str(home / "token"),
+            "--simulate-gpus", gpus,
+            "--port-range", f"{low}-{high}",
+            "--advertise-address", "127.0.0.1",
+            "--engine-host", "127.0.0.1",
+            "--state-dir", str(home / "state"),
+            "--weights-dir", str(home / "weights"),
+            "--backoff-base", "0.2",
+            "--backoff-max", "1",
+            "--stop-grace", "3",
+            "--ping-timeout", "3",
+        ]  # fmt: skip
+        # An agent knows nothing of the store or of our settings.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_", "LLMGW_"))}
+        env.pop("SECRET_KEY", None)
+        agent = Agent(name, home, (low, high), argv, env)
+        self.issue_token(agent)
+        self.agents[name] = agent
+        agent.start(*extra)
+        return agent
+
+    @staticmethod
+    def issue_token(agent: Agent) -> str:
+        """A fresh token in the agent's token file (the old one stops working)."""
+        token = node_tokens.issue_node_token(agent.name)
+        agent.token_file.write_text(token + "\n")
+        agent.token_file.chmod(0o600)
+        return token
+
+    def node_of_port(self, port: int) -> str | None:
+        for agent in self.agents.values():
+            if agent.ports[0] <= port <= agent.ports[1]:
+                return agent.name
+        return None
+
+    # --- the whole -----------------------------------------------------------------------
+
+    def processes(self) -> list[Proc]:
+        procs = [p for plane in self.control_planes for p in plane.services()]
+        procs += [a.proc for a in self.agents.values() if a.proc is not None]
+        return procs
+
+    def stop(self) -> None:
+        # Every agent is told at once (each stops its own shards), then the control planes.
+        agents = [a.proc for a in self.agents.values() if a.proc is not None]
+        for proc in agents:
+            proc.signal(signal.SIGCONT)
+            proc.signal(signal.SIGTERM)
+        for proc in agents:
+            proc.stop()
+        for plane in self.control_planes:
+            for service in plane.services():
+                service.stop()
+            if plane.proxy is not None:
+                plane.proxy.close()
+        # Engines of an agent that was killed outlive it (on purpose); end them here.
+        for agent in self.agents.values():
+            for pids in agent.engines().values():
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+        if self.redis is not None:
+            self.redis.stop()
+
+
+# --- Celery task events, as a monitor receives them ------------------------------------------
+
+
+class Watcher:
+    """Work done on a thread of its own for as long as a ``with watcher.running():`` lasts."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @contextmanager
+    def running(self) -> Iterator[Self]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._halt()
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _halt(self) -> None:
+        """Wake the thread if it waits on something other than the stop event."""
+
+
+class TaskEvents(Watcher):
+    """The task events the workers send (``-E``), received on a thread of their own from the
+    cluster's broker; it reconnects when the broker restarts."""
+
+    def __init__(self, broker_url: str) -> None:
+        super().__init__()
+        self.broker_url = broker_url
+        self.events: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self._receiver: Any = None
+
+    def _halt(self) -> None:
+        if self._receiver is not None:
+            self._receiver.should_stop = True
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        if event.get("type", "").startswith("task-"):
+            with self.lock:
+                self.events.append(event)
+
+    def _run(self) -> None:
+        from kombu.connection import Connection
+
+        from llmgw_site.celery import app
+
+        while not self._stop.is_set():
+            try:
+                with Connection(self.broker_url) as conn:
+                    self._receiver = app.events.Receiver(conn, handlers={"*": self._on_event})
+                    if self._stop.is_set():  # asked to stop while connecting
+                        return
+                    self._receiver.capture(limit=None, timeout=None, wakeup=True)
+            except Exception:  # the broker is down on purpose: try again
+                self._stop.wait(0.2)
+
+    def of(self, kind: str, *, host: str = "", after: float = 0.0) -> list[dict[str, Any]]:
+        """Events ``task-KIND`` (received, started, succeeded, revoked...) from workers whose
+        name starts with ``host``, stamped after ``after`` (epoch seconds)."""
+        with self.lock:
+            return [
+                e
+                for e in self.events
+                if e["type"] == f"task-{kind}"
+                and e.get("hostname", "").startswith(host)
+                and e.get("timestamp", 0) > after
+            ]
+
+
+def queued_ticks(redis: RedisServer) -> int:
+    """Tick messages waiting in the broker's queue, not yet taken by any worker."""
+    with socket.create_connection(("127.0.0.1", redis.port), timeout=5) as sock:
+        sock.sendall(b"LLEN celery\r\n")
+        reply = sock.recv(64)
+    assert reply.startswith(b":"), reply
+    return int(reply[1:].split(b"\r\n")[0])
+
+
+# --- leadership, as the database shows it --------------------------------------------------
+
+
+def leader_worker(cluster: Cluster) -> ControlPlane | None:
+    """The control plane whose worker holds the lease (owner ids embed the pid)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT owner FROM control_lease WHERE name = 'reconciler'")
+        row = cursor.fetchone()
+    if not row or not row[0]:
+        return None
+    pid = row[0].split(":")[1]
+    return next((p for p in cluster.control_planes if p.worker and str(p.worker.pid) == pid), None)
+
+
+def lease_state() -> tuple[str, int]:
+    """(owner, epoch) of the live reconciler lease; ("", 0) when nobody holds one."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT owner, epoch FROM control_lease WHERE name = 'reconciler' "
+            "AND expires_at_ms > llmgw_clock_ms()"
+        )
+        row = cursor.fetchone()
+    return (str(row[0]), int(row[1])) if row else ("", 0)
+
+
+def writes_by_epoch_in_commit_order() -> list[int]:
+    """The epoch of every reconciler write (events) in the order they were committed."""
+    return list(
+        Event.objects.filter(kind__in=["placement", "lifecycle"], epoch__gt=0)
+        .order_by("id")
+        .values_list("epoch", flat=True)
+    )
+
+
+def steal_lease(owner: str = "thief:0:0", ttl_ms: int = 60_000) -> int:
+    """Another owner takes the lease now (as after an expiry); returns the new epoch."""
+    row = execute_now(
+        "UPDATE control_lease SET owner = %s, epoch = epoch + 1, "
+        "expires_at_ms = llmgw_clock_ms() + %s WHERE name = 'reconciler' RETURNING epoch",
+        (owner, ttl_ms),
+    )
+    assert row is not None
+    return int(row[0])
+
+
+def release_stolen_lease(owner: str = "thief:0:0") -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE control_lease SET owner = '', expires_at_ms = 0 WHERE owner = %s", [owner]
+        )
+
+
+# --- the fleet, as the database shows it ---------------------------------------------------
+
+
+def ready_replicas(model: str) -> int:
+    return Replica.objects.filter(
+        model__name=model, desired=Replica.Desired.RUNNING, observed=Replica.Observed.READY
+    ).count()
+
+
+def shard_nodes(model: str) -> set[str]:
+    return set(
+        Shard.objects.filter(
+            replica__model__name=model, replica__desired=Replica.Desired.RUNNING
+        ).values_list("node__name", flat=True)
+    )
+
+
+def node_health(name: str) -> str:
+    return str(Node.objects.filter(name=name).values_list("health", flat=True).first())
+
+
+def heartbeat_after(name: str, moment: Any) -> bool:
+    """The store has a heartbeat from node ``name`` later than ``moment``."""
+    return Node.objects.filter(name=name, last_heartbeat_at__gt=moment).exists()
+
+
+class InvariantChecker(Watcher):
+    """Reads the store and the live engines every ``interval`` seconds from its own thread
+    and keeps every violation it sees."""
+
+    def __init__(self, cluster: Cluster, interval: float = 0.2) -> None:
+        super().__init__()
+        self.cluster = cluster
+        self.interval = interval
+        self.violations: list[str] = []
+        self.checks = 0
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.check_once()
+                except Exception as exc:  # the store may be down on purpose
+                    connection.close()
+                    if "connect" not in str(exc).lower():
+                        self.violations.append(f"checker error: {exc!r}")
+                self._stop.wait(self.interval)
+        finally:
+            connection.close()
+
+    def check_once(self) -> None:
+        self.checks += 1
+        holders: dict[tuple[int, int], list[int]] = defaultdict(list)
+        ports: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for shard_id, node_id, gpus, port, desired, observed in Shard.objects.values_list(
+            "pk", "node_id", "gpu_indices", "port", "replica__desired", "observed"
+        ):
+            if desired == Replica.Desired.STOPPED and observed not in LIVE:
+                continue
+            for gpu in gpus:
+                holders[(node_id, int(gpu))].append(shard_id)
+            ports[(node_id, port)].append(shard_id)
+        for (node_id, gpu), shards in holders.items():
+            if len(shards) > 1:
+                self.violations.append(f"store: node {node_id} gpu {gpu} given to shards {shards}")
+        for (node_id, port), shards in ports.items():
+            if len(shards) > 1:
+                self.violations.append(f"store: node {node_id} port {port} given to {shards}")
+        running = Counter(
+            Replica.objects.filter(desired=Replica.Desired.RUNNING).values_list(
+                "model__name", flat=True
+            )
+        )
+        for name, most in ServedModel.objects.values_list("name", "max_replicas"):
+            if running[name] > most:
+                self.violations.append(f"store: model {name} has {running[name]} > {most}")
+
+        in_use: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for pid, env in engine_processes():
+            node = self.cluster.node_of_port(engine_port(pid) or 0)
+            if node is None:
+                continue
+            for gpu in env.get("CUDA_VISIBLE_DEVICES", "").split(","):
+                if gpu:
+                    in_use[(node, gpu)].append(pid)
+        for (node, gpu), pids in in_use.items():
+            if len(pids) > 1:
+                self.violations.append(f"engines: {node} gpu {gpu} used by pids {pids}")

@@ -1,0 +1,90 @@
+"""The store under test, as the test's own connection and the real processes it starts see it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from django.core.management import call_command
+from django.db import connection
+from pytest_django import DjangoDbBlocker
+
+
+def database_url_for_children() -> str:
+    """The URL of the *test* database, for real processes a test starts."""
+    settings_dict = connection.settings_dict
+    # Before the test database exists the settings still name the real one: never hand that
+    # to a process (a module-scoped fixture must ask for ``django_db_setup`` first).
+    assert settings_dict["NAME"] == settings_dict["TEST"]["NAME"], "no test database yet"
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{settings_dict['NAME']}"
+    user = settings_dict.get("USER") or "postgres"
+    host = settings_dict.get("HOST") or "127.0.0.1"
+    port = settings_dict.get("PORT") or "5432"
+    password = settings_dict.get("PASSWORD")
+    auth = f"{user}:{password}" if password else user
+    return f"postgres://{auth}@{host}:{port}/{settings_dict['NAME']}"
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test starts that needs no store of the test's."""
+    env = dict(os.environ)
+    env.setdefault("SECRET_KEY", "llmgw-checks-only-not-a-secret")
+    env.update(extra)
+    return env
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test starts on the test database."""
+    return process_env(DATABASE_URL=database_url_for_children(), **extra)
+
+
+@contextmanager
+def module_store(blocker: DjangoDbBlocker) -> Iterator[None]:
+    """The test database open to a whole module whose processes outlive a test (a cluster
+    started once): no per-test flush under their feet; the module resets what it needs
+    between tests, and the tables are emptied when the module is done."""
+    with blocker.unblock():
+        try:
+            yield
+        finally:
+            connection.close()
+            call_command("flush", interactive=False, verbosity=0)
+
+
+# --------------------------------------------------------------------------- PostgreSQL only
+
+
+def _connect(**options: Any) -> psycopg.Connection[Any]:
+    settings = connection.settings_dict
+    return psycopg.connect(
+        host=settings.get("HOST") or "127.0.0.1",
+        port=int(settings.get("PORT") or 5432),
+        user=settings.get("USER") or "postgres",
+        dbname=settings["NAME"],
+        **options,
+    )
+
+
+@contextmanager
+def table_locked(table: str, *then: str, mode: str = "ACCESS EXCLUSIVE") -> Iterator[None]:
+    """Hold a lock on ``table`` from a connection of its own: every tick that touches it
+    waits, as a slow store would make it. Statements in ``then`` run in the same transaction
+    and commit with the release, so the waiting tick sees them."""
+    with _connect() as conn:
+        conn.execute(f"LOCK TABLE {table} IN {mode} MODE")
+        for statement in then:
+            conn.execute(statement)
+        yield
+        conn.commit()
+
+
+def execute_now(sql: str, params: tuple[Any, ...] = ()) -> Any:
+    """Run one statement on a connection of its own, committed at once (while the test's own
+    connection may be waiting on a lock)."""
+    with _connect(autocommit=True) as conn:
+        cursor = conn.execute(sql, params)
+        return cursor.fetchone() if cursor.description else None

@@ -1,0 +1,116 @@
+"""Bad configuration stops start-up with a message that names the variable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from llmgw_site import config
+from tests.harness.procs import REPO_ROOT
+
+
+def test_boolean_accepts_the_usual_spellings() -> None:
+    assert config.env_bool({"X": "yes"}, "X", False) is True
+    assert config.env_bool({"X": "0"}, "X", True) is False
+    assert config.env_bool({}, "X", True) is True
+
+
+@pytest.mark.parametrize(
+    ("reader", "value", "fragment"),
+    [
+        (
+            lambda env: config.env_bool(env, "LLMGW_X", False),
+            "maybe",
+            "LLMGW_X='maybe' is not a boolean",
+        ),
+        (lambda env: config.env_float(env, "LLMGW_X", 1.0), "ten", "LLMGW_X='ten' is not a number"),
+        (lambda env: config.env_float(env, "LLMGW_X", 1.0, minimum=1), "0.5", "must be at least 1"),
+        (lambda env: config.env_float(env, "LLMGW_X", 1.0), "nan", "must be at least 0"),
+        (lambda env: config.env_int(env, "LLMGW_X", 1), "1.5", "LLMGW_X='1.5' is not an integer"),
+        (lambda env: config.env_port_range(env, "LLMGW_X", (1, 2)), "9000", "not a port range"),
+        (lambda env: config.env_port_range(env, "LLMGW_X", (1, 2)), "9-70000", "not a port range"),
+    ],
+)
+def test_malformed_values_name_the_variable(reader, value: str, fragment: str) -> None:
+    with pytest.raises(config.ConfigError, match=fragment.replace("(", r"\(")):
+        reader({"LLMGW_X": value})
+
+
+def test_port_range_parses() -> None:
+    assert config.env_port_range({"P": "20000-20100"}, "P", (1, 2)) == (20000, 20100)
+
+
+def test_static_endpoints_parse_id_url_models() -> None:
+    parsed = config.parse_static_endpoints(
+        {"E": "a=http://10.0.0.1:8000/=m1,m2; b=https://x.example/v=m3"}, "E"
+    )
+    assert parsed == (
+        config.StaticEndpoint("a", "http://10.0.0.1:8000", ("m1", "m2")),
+        config.StaticEndpoint("b", "https://x.example/v", ("m3",)),
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["a=http://x", "a=ftp://x=m", "=http://x=m", "a=http://x=,", "a=http://x=m a=http://y=n"],
+)
+def test_static_endpoints_reject_bad_entries(value: str) -> None:
+    with pytest.raises(config.ConfigError, match=r"^E"):
+        config.parse_static_endpoints({"E": value}, "E")
+
+
+def run_manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO_ROOT,
+        env={"PATH": "/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_start_up_fails_naming_every_bad_variable_without_a_traceback(tmp_path) -> None:
+    result = run_manage(
+        {
+            "LLMGW_VAR_DIR": str(tmp_path),
+            "LLMGW_LEASE_TTL": "soon",
+            "LLMGW_LOST_AFTER": "5",
+            "REDIS_URL": "localhost:6379",
+        },
+        "check",
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    for fragment in [
+        "SECRET_KEY is required",
+        "LLMGW_LEASE_TTL='soon' is not a number",
+        "LLMGW_LOST_AFTER (5s) must be longer",
+        "REDIS_URL='localhost:6379'",
+    ]:
+        assert fragment in result.stderr
+
+
+def test_renew_deadline_must_be_shorter_than_the_ttl(tmp_path) -> None:
+    result = run_manage(
+        {
+            "LLMGW_VAR_DIR": str(tmp_path),
+            "SECRET_KEY": "x",
+            "LLMGW_LEASE_TTL": "5",
+            "LLMGW_LEASE_RENEW_DEADLINE": "5",
+        },
+        "check",
+    )
+    assert result.returncode == 2
+    assert (
+        "LLMGW_LEASE_RENEW_DEADLINE (5s) must be shorter than LLMGW_LEASE_TTL (5s)" in result.stderr
+    )
+
+
+def test_a_good_configuration_passes_django_checks(tmp_path) -> None:
+    result = run_manage({"LLMGW_VAR_DIR": str(tmp_path), "SECRET_KEY": "x"}, "check")
+    assert result.returncode == 0, result.stderr
+    assert "no issues" in result.stdout
