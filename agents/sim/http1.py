@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from email.utils import formatdate
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from agents.sim.wire import dumps, error_body
 
@@ -196,8 +196,9 @@ class Connection(asyncio.Protocol):
     # ---- transport callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport, but not always an asyncio.Transport subclass: uvloop's are its
+        # own classes with the same methods, so check nothing here beyond the interface we use.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
