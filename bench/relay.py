@@ -1,8 +1,8 @@
 """L1 of the benchmark: the Python floor. A raw-ASGI relay (no Django, no auth, no accounting)
-using the same upstream client as llmgw (one aiohttp session), served by the same server
-(daphne). Whatever llmgw costs above this is llmgw's own.
+with the same upstream client as llmgw (``gateway.upstream_client``, which imports nothing of
+Django's), served by the same server as llmgw. Whatever llmgw costs above this is its own.
 
-    BENCH_UPSTREAM=http://127.0.0.1:PORT daphne bench.relay:app
+    BENCH_UPSTREAM=http://127.0.0.1:PORT python -m llmgw_site.webserver --app bench.relay:app ...
 """
 
 from __future__ import annotations
@@ -10,25 +10,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import aiohttp
+from gateway.upstream_client import Pool
 
 UPSTREAM = os.environ.get("BENCH_UPSTREAM", "http://127.0.0.1:8000")
-_session: aiohttp.ClientSession | None = None
-
-
-def session() -> aiohttp.ClientSession:
-    global _session
-    if _session is None:
-        _session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
-    return _session
+HEADERS = b"Content-Type: application/json\r\n"
+_pool: Pool | None = None
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    global _pool
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
     if scope["type"] != "http":
         return
     body = b""
@@ -37,14 +32,18 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    async with session().request(
-        scope["method"],
-        UPSTREAM + scope["path"],
-        data=body,
-        headers={"Content-Type": "application/json"},
-    ) as upstream:
-        headers = [(b"content-type", upstream.headers.get("Content-Type", "").encode())]
-        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
-        async for chunk in upstream.content.iter_any():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    if _pool is None:
+        _pool = Pool(keepalive_s=4.0)
+    upstream = await _pool.post(UPSTREAM, scope["path"], body, HEADERS, connect_timeout=5.0)
+    content_type = upstream.headers.get(b"content-type", b"application/json")
+    await send(
+        {
+            "type": "http.response.start",
+            "status": upstream.status,
+            "headers": [(b"content-type", content_type)],
+        }
+    )
+    while piece := await upstream.read_piece():
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+    upstream.release()
     await send({"type": "http.response.body", "body": b""})

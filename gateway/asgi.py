@@ -29,6 +29,7 @@ from django.core.handlers.exception import convert_exception_to_response
 from django.urls import set_script_prefix
 
 from gateway import keys, proxy
+from gateway.drain import drain
 from gateway.errors import ApiError, error_response, invalid_key, openai_shaped, too_large
 from gateway.responses import Response
 from gateway.routes import BY_PATH, RelayRoute
@@ -118,11 +119,13 @@ async def _relay(
     No server cancels an application when its client goes away; it only says so through
     ``receive``. A second task listens there and cancels this one, which closes the upstream
     connection (so the engine stops generating) and records the request as disconnected.
+    A stop whose grace is over cancels it too (``gateway.drain``): then the client is told.
     """
     task = asyncio.current_task()
     assert task is not None
     finished = False
     hung_up = False
+    started = False
 
     async def listen() -> None:
         nonlocal hung_up
@@ -135,16 +138,40 @@ async def _relay(
             hung_up = True
             task.cancel()
 
+    async def tracked_send(message: Mapping[str, Any]) -> None:
+        nonlocal started
+        started = True
+        await send(message)
+
     listener = asyncio.get_running_loop().create_task(listen())
+    drain.requests.add(task)
     try:
-        await send_answer(await _answer(route, authorization, body, clock_start), send)
+        await send_answer(await _answer(route, authorization, body, clock_start), tracked_send)
     except asyncio.CancelledError:
-        if not hung_up:
+        if not hung_up and not drain.cut:
             raise
         task.uncancel()  # our own cancellation: the relay has closed the upstream and recorded it
+        if not hung_up:
+            await _tell_cut(send, started=started)
     finally:
         finished = True
+        drain.requests.discard(task)
         listener.cancel()
+
+
+async def _tell_cut(send: Send, *, started: bool) -> None:
+    """The stop's grace is over: end the answer with an error the client's library reads."""
+    error = ApiError(
+        503, "The gateway is restarting; retry the request.", "server_shutting_down", retry_after=1
+    )
+    with contextlib.suppress(Exception):  # the client may be gone by now as well
+        if started:
+            await send({"type": "http.response.body", "body": error.sse_event(), "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            refusal = error_response(error)
+            refusal.headers.append((b"connection", b"close"))
+            await send_answer(refusal, send)
 
 
 class V1App:

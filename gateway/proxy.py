@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from gateway import limits, payload, responses, routing
+from gateway.drain import drain
 from gateway.errors import ApiError, error_response, model_not_found
 from gateway.keys import KeyInfo
 from gateway.models import UsageRecord
@@ -185,7 +186,7 @@ async def relay(body: bytes, key: KeyInfo, api_route: RelayRoute, clock_start: f
         ex.finish(error.status, _reason_for(error))
         return error_response(error, request_id)
     except asyncio.CancelledError:
-        ex.finish(CLIENT_CLOSED, Reason.CLIENT_DISCONNECT)
+        ex.finish(CLIENT_CLOSED, _cut_short())
         raise
     except Exception:
         logger.exception("request %s failed", request_id)
@@ -193,6 +194,11 @@ async def relay(body: bytes, key: KeyInfo, api_route: RelayRoute, clock_start: f
         return error_response(
             ApiError(500, "The gateway failed on this request.", "internal_error"), request_id
         )
+
+
+def _cut_short() -> str:
+    """Why a request was cancelled: its client left, or this process's stop grace ran out."""
+    return Reason.INTERRUPTED if drain.cut else Reason.CLIENT_DISCONNECT
 
 
 def _reason_for(error: ApiError) -> str:
@@ -327,7 +333,7 @@ async def _held_stream(ex: Exchange) -> AsyncGenerator[bytes]:
         yield error.sse_event()
         return
     except (asyncio.CancelledError, GeneratorExit):
-        ex.finish(200, Reason.CLIENT_DISCONNECT)
+        ex.finish(200, _cut_short())
         raise
     if opened.response.status != 200:
         body = await _read_rest(opened)
@@ -540,7 +546,7 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
     except UpstreamError:
         failure = ApiError(502, "The upstream failed mid-stream.", "upstream_error")
     except (asyncio.CancelledError, GeneratorExit):
-        ex.finish(200, Reason.CLIENT_DISCONNECT, _partial(sse))
+        ex.finish(200, _cut_short(), _partial(sse))
         raise
     finally:
         if clean:

@@ -20,9 +20,12 @@ from channels.routing import URLRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from control.routing import websocket_urlpatterns  # noqa: E402
-from gateway.asgi import V1App  # noqa: E402
+from gateway.asgi import V1App, send_answer  # noqa: E402
+from gateway.drain import drain  # noqa: E402
+from gateway.responses import Response  # noqa: E402
 from gateway.usage import recorder  # noqa: E402
-from llmgw_site import metrics  # noqa: E402
+from llmgw_site import listeners, metrics  # noqa: E402
+from llmgw_site.views import scrape  # noqa: E402
 
 # Where daphne serves (it spools a whole body before the application sees any of it), /v1
 # bodies get a guard inside daphne itself; other servers never load Twisted.
@@ -39,16 +42,31 @@ Send = Callable[[Mapping[str, Any]], Awaitable[None]]
 # and scripts are served by the web process itself so that the embedded default needs no
 # separate web server; agents' streams authenticate their node token on the route itself.
 v1 = V1App()
+# A stopping process still answers the requests in flight, but tells a balancer to move away.
+DRAINING = Response(
+    503,
+    [(b"content-type", b"application/json"), (b"connection", b"close")],
+    b'{"status":"draining"}',
+)
+NOT_FOUND = Response(404, [(b"content-type", b"application/json")], b'{"error":"not found"}')
 site = ASGIStaticFilesHandler(django_asgi)
 agent_streams = URLRouter(websocket_urlpatterns)
+# The listeners of this process and their roles (set by llmgw_site.webserver); SPLIT is empty
+# when one port serves everything, which keeps that path as short as it was.
+PORTS = listeners.parse_ports(os.environ.get("LLMGW_LISTENER_PORTS", ""))
+SPLIT = frozenset(PORTS.values()) - {"client"}
 
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     kind = scope["type"]
-    if kind == "http":
+    if SPLIT:
+        await split_application(scope, receive, send)
+    elif kind == "http":
         path: str = scope["path"]
         if path.startswith("/v1/") or path == "/v1":
             await v1(scope, receive, send)
+        elif path == "/healthz" and drain.draining:
+            await send_answer(DRAINING, send)
         else:
             await site(scope, receive, send)
     elif kind == "websocket":
@@ -57,6 +75,44 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         await lifespan(receive, send)
     else:
         raise ValueError(f"no application for ASGI scope type {kind!r}")
+
+
+async def split_application(scope: Scope, receive: Receive, send: Send) -> None:
+    """Listeners split by role (``llmgw_site.listeners``): each serves only its own part."""
+    kind = scope["type"]
+    if kind == "lifespan":
+        await lifespan(receive, send)
+        return
+    if kind not in ("http", "websocket"):
+        raise ValueError(f"no application for ASGI scope type {kind!r}")
+    path: str = scope["path"]
+    role = listeners.role_of(PORTS, scope.get("server"))
+    answer = listeners.decide(role, SPLIT, kind, path)
+    if answer is listeners.Answer.V1:
+        await v1(scope, receive, send)
+    elif kind == "http" and path == "/healthz" and drain.draining:
+        await send_answer(DRAINING, send)
+    elif answer is listeners.Answer.SITE:
+        await site(scope, receive, send)
+    elif answer is listeners.Answer.OPEN_METRICS:
+        await open_metrics(scope, send)
+    elif answer is listeners.Answer.AGENTS:
+        await agent_streams(scope, receive, send)
+    elif kind == "websocket":
+        await send({"type": "websocket.close", "code": 4404})
+    else:
+        await send_answer(NOT_FOUND, send)
+
+
+async def open_metrics(scope: Scope, send: Send) -> None:
+    """``/metrics`` on the metrics listener: no token, since that listener serves nothing else."""
+    if scope["method"] not in ("GET", "HEAD"):
+        await send_answer(NOT_FOUND, send)
+        return
+    accept = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"accept"), "")
+    # The fleet's gauges come from the store: off the event loop.
+    body, content_type = await sync_to_async(scrape)(accept)
+    await send_answer(Response(200, [(b"content-type", content_type.encode())], body), send)
 
 
 async def lifespan(receive: Receive, send: Send) -> None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+# How long a stopping web process lets requests in flight finish (LLMGW_SHUTDOWN_GRACE).
+DEFAULT_SHUTDOWN_GRACE = 30.0
+
 
 class ConfigError(Exception):
     """A configuration value could not be used; the message names the variable."""

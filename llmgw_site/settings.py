@@ -16,6 +16,7 @@ import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
 from llmgw_site.config import (
+    DEFAULT_SHUTDOWN_GRACE,
     ConfigError,
     env_bool,
     env_float,
@@ -245,6 +246,8 @@ LLMGW_CONNECT_TIMEOUT: float = _read(env_float, "LLMGW_CONNECT_TIMEOUT", 5.0, mi
 LLMGW_FIRST_BYTE_TIMEOUT: float = _read(env_float, "LLMGW_FIRST_BYTE_TIMEOUT", 120.0, minimum=0.01)
 LLMGW_STREAM_IDLE_TIMEOUT: float = _read(env_float, "LLMGW_STREAM_IDLE_TIMEOUT", 60.0, minimum=0.01)
 LLMGW_ACCESS_LOG: bool = _read(env_bool, "LLMGW_ACCESS_LOG", False)
+# A stopping web process lets requests and streams in flight run this long, then ends them.
+LLMGW_SHUTDOWN_GRACE: float = _read(env_float, "LLMGW_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE)
 LLMGW_STATIC_ENDPOINTS = _read(parse_static_endpoints, "LLMGW_STATIC_ENDPOINTS") or ()
 
 # --- the gateway (/v1) --------------------------------------------------------------------------
@@ -357,6 +360,7 @@ LOGGING = {
         # Access logs would carry full request lines; ours carry ids, never credentials.
         "django.channels.server": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
+        "uvicorn": {"level": "WARNING"},
         "celery.app.trace": {"level": "WARNING"},
         "celery.beat": {"level": "WARNING"},
     },

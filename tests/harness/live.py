@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,9 @@ def http(
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
     timeout: float = 60.0,
-) -> tuple[int, dict[str, str], bytes]:
-    """A plain HTTP call (for what the openai client cannot send: wrong types, raw bytes)."""
+) -> tuple[int, Message, bytes]:
+    """A plain HTTP call (for what the openai client cannot send: wrong types, raw bytes).
+    Header names are looked up case-insensitively, as HTTP means them (servers differ)."""
     request = urllib.request.Request(url, data=body, method=method)
     request.add_header("Content-Type", "application/json")
     if key is not None:
@@ -86,9 +88,9 @@ def http(
         request.add_header(name, value)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, dict(response.headers), response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+        return error.code, error.headers, error.read()
 
 
 def routes(web: Proc, key: str, model: str) -> bool:

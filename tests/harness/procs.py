@@ -216,9 +216,7 @@ def web_process(
     listener = launcher.bind_listener("127.0.0.1", port)
     try:
         bound = int(listener.getsockname()[1])
-        argv = launcher.daphne_command(listener.fileno(), access_log=access_log)
-        if app:
-            argv = [*argv[:-1], app]  # the application is the command line's last word
+        argv = launcher.web_command({"client": listener.fileno()}, access_log=access_log, app=app)
         proc = Proc(name, argv, log_dir, env, port=bound)
         proc.start(pass_fds=(listener.fileno(),))
     finally:

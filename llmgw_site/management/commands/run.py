@@ -123,6 +123,20 @@ def celery_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "celery", "--quiet", "-A", "llmgw_site", *args]
 
 
+def parse_listen(option: str, raw: str) -> tuple[str, int]:
+    """``ADDR:PORT``, ``[v6]:PORT`` or a bare ``PORT`` (then loopback: a split listener is
+    private unless an address says otherwise)."""
+    address, _, number = raw.rpartition(":")
+    address = address.strip("[]") or "127.0.0.1"
+    if not number.isdigit() or not 0 < int(number) < 65536:
+        raise CommandError(f"{option} {raw!r}: expected ADDR:PORT or PORT")
+    return address, int(number)
+
+
+def url_of(address: str, port: int) -> str:
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
 class Command(BaseCommand):
     help = (
         "Start llmgw on this machine: migrate, make an admin if needed, then run the web "
@@ -136,17 +150,55 @@ class Command(BaseCommand):
             "--web-processes",
             type=int,
             default=int(os.environ.get("LLMGW_WEB_PROCESSES", str(os.cpu_count() or 1))),
-            help="Daphne processes sharing the port (default: one per core).",
+            help="Web processes sharing the port (default: one per core).",
         )
         parser.add_argument(
             "--no-agent", action="store_true", help="Do not start a local agent on this machine."
         )
+        parser.add_argument(
+            "--admin-listen",
+            metavar="[ADDR:]PORT",
+            default=os.environ.get("LLMGW_ADMIN_LISTEN", ""),
+            help="Serve the admin, its dashboard and /account/ here (address 127.0.0.1 unless "
+            "given), and not on the client port.",
+        )
+        parser.add_argument(
+            "--metrics-listen",
+            metavar="[ADDR:]PORT",
+            default=os.environ.get("LLMGW_METRICS_LISTEN", ""),
+            help="Serve /metrics here, without a token, and nothing else; not on the client port.",
+        )
+        parser.add_argument(
+            "--agent-listen",
+            metavar="[ADDR:]PORT",
+            default="",
+            help="Accept agents' streams here, and not on the client port.",
+        )
 
     def handle(
-        self, *args: Any, host: str, port: int, web_processes: int, no_agent: bool, **opts: Any
+        self,
+        *args: Any,
+        host: str,
+        port: int,
+        web_processes: int,
+        no_agent: bool,
+        admin_listen: str,
+        metrics_listen: str,
+        agent_listen: str,
+        **opts: Any,
     ) -> None:
         if web_processes < 1:
             raise CommandError("--web-processes must be at least 1")
+        addresses = {"client": (host, port)}
+        for role, raw in (
+            ("admin", admin_listen),
+            ("metrics", metrics_listen),
+            ("agent", agent_listen),
+        ):
+            if raw:
+                addresses[role] = parse_listen(f"--{role}-listen", raw)
+        if len(set(addresses.values())) < len(addresses):
+            raise CommandError("each listener needs an address and port of its own")
         call_command("migrate", interactive=False, verbosity=0)
         password = ensure_admin()
         admin_name = (
@@ -164,15 +216,18 @@ class Command(BaseCommand):
         call_command("replay_usage", verbosity=0)
         # Metric sums restart with the web tier, not with files of an earlier run.
         metrics.reset_multiprocess_dir()
-        try:
-            listener = launcher.bind_listener(host, port)
-        except OSError as exc:
-            raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-
-        base = f"http://{host}:{port}"
+        sockets = {}
+        for role, (address, number) in addresses.items():
+            try:
+                sockets[role] = launcher.bind_listener(address, number)
+            except OSError as exc:
+                raise CommandError(f"cannot listen on {address}:{number}: {exc.strerror}") from None
+        bases = {role: url_of(*address) for role, address in addresses.items()}
+        base = bases["client"]
+        admin_base = bases.get("admin", base)
         env = dict(os.environ)
         children = launcher.web_children(
-            listener, web_processes, access_log=settings.LLMGW_ACCESS_LOG
+            sockets, web_processes, access_log=settings.LLMGW_ACCESS_LOG
         )
         children.append(launcher.Child("worker", celery_argv("worker", "--pool", "solo"), env))
         children.append(
@@ -188,7 +243,11 @@ class Command(BaseCommand):
             write_secret(token_file, node_tokens.issue_node_token(LOCAL_NODE))
             agent_env = {k: v for k, v in env.items() if k not in {"DATABASE_URL", "SECRET_KEY"}}
             children.append(
-                launcher.Child("agent", agent_argv(base, host, token_file, agent_dir), agent_env)
+                launcher.Child(
+                    "agent",
+                    agent_argv(bases.get("agent", base), host, token_file, agent_dir),
+                    agent_env,
+                )
             )
 
         backend = settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1]
@@ -198,7 +257,11 @@ class Command(BaseCommand):
         if not no_agent:
             write(f"  local agent:   node '{LOCAL_NODE}': GPUs through NVML, else 2 simulated")
         write(f"  health:        {base}/healthz")
-        write(f"  admin:         {base}/admin/")
+        write(f"  admin:         {admin_base}/admin/")
+        if "metrics" in bases:
+            write(f"  metrics:       {bases['metrics']}/metrics  (no token: for scrapers only)")
+        if "agent" in bases:
+            write(f"  agents:        {bases['agent']}")
         if password:
             write(
                 f"  admin user:    {admin_name} / {password}   (shown once; change it in the admin)"
@@ -213,6 +276,9 @@ class Command(BaseCommand):
             f"    curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
             f"-H 'Content-Type: application/json' -d '{body}'"
         )
-        write("Ctrl-C stops everything.")
+        write(
+            "Ctrl-C stops everything (requests in flight finish first); "
+            f"`kill -HUP {os.getpid()}` restarts the web processes one at a time."
+        )
         self.stdout.flush()
-        launcher.Supervisor(children).run()
+        launcher.Supervisor(children, stop_grace=settings.LLMGW_SHUTDOWN_GRACE).run()

@@ -1,0 +1,149 @@
+"""One web process: uvicorn (uvloop + httptools, WebSockets for the agents' streams) on the
+listening sockets ``manage.py run`` binds and hands down.
+
+Chosen by measurement (``make bench``, the server rows): on this stack uvicorn with uvloop
+and httptools relays ``/v1`` at the lowest CPU per request and the highest knee of the
+servers we can run, and it serves Channels' WebSocket consumers as well, so one kind of
+process carries every listener. Several of them accept on one shared socket (not
+``SO_REUSEPORT``): a connection waiting in the backlog is taken by whichever process is
+accepting, so a process that stops accepting loses none.
+
+A stop (SIGTERM, or Ctrl-C) is graceful: the process stops accepting at once, ``/healthz``
+answers 503 ``draining``, agents' streams are closed with 1012 (service restart: reconnect
+now, elsewhere), and requests in flight run on for up to ``LLMGW_SHUTDOWN_GRACE`` seconds.
+Then those still running are ended with an OpenAI-shaped error and recorded as interrupted
+(``gateway.drain``), the usage rows are stored, and the process exits. A second signal of
+the same stop (a terminal's Ctrl-C reaches every process, then ``manage.py run`` sends
+SIGTERM) changes nothing; one that comes later forces the exit.
+
+    python -m llmgw_site.webserver --listen client=3 [--listen admin=4 ...] [--app MOD:ATTR]
+
+``--ready-fd N`` writes one byte to descriptor N once the process accepts: the launcher's
+rolling restart waits for it before it stops the process this one replaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from types import FrameType
+
+import uvicorn
+
+from gateway.drain import drain
+from llmgw_site.config import DEFAULT_SHUTDOWN_GRACE, env_bool, env_float
+
+logger = logging.getLogger("llmgw.webserver")
+
+# What a stop gives uvicorn beyond our own cut, so that it cancels only what the cut missed.
+CUT_MARGIN_SECONDS = 3.0
+# Signals this close together are one stop told twice, not an operator insisting.
+SAME_STOP_SECONDS = 2.0
+ROLES = ("client", "admin", "metrics", "agent")
+
+
+class WebServer(uvicorn.Server):
+    """uvicorn with llmgw's stop: drain, cut at the grace, a readiness byte at start."""
+
+    def __init__(self, config: uvicorn.Config, *, grace: float, ready_fd: int | None) -> None:
+        super().__init__(config)
+        self.grace = grace
+        self.ready_fd = ready_fd
+        self.first_signal_at: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self.first_signal_at is None:
+            self.first_signal_at = now
+            self._begin_drain()
+        elif now - self.first_signal_at > SAME_STOP_SECONDS:
+            self.force_exit = True
+        self.should_exit = True
+
+    def _begin_drain(self) -> None:
+        drain.begin()
+        loop = asyncio.get_event_loop()
+        # The handler runs between the loop's callbacks; schedule through the loop's own queue.
+        loop.call_soon_threadsafe(loop.call_later, self.grace, self._cut)
+
+    def _cut(self) -> None:
+        count = drain.cut_remaining()
+        if count:
+            logger.warning(
+                "shutdown grace of %.0fs is over: ending %d request(s) still in flight",
+                self.grace,
+                count,
+            )
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.ready_fd is not None and self.started:
+            with contextlib.suppress(OSError):
+                os.write(self.ready_fd, b"1")
+                os.close(self.ready_fd)
+            self.ready_fd = None
+
+
+def listeners(specs: list[str]) -> dict[int, str]:
+    """``role=fd`` pairs from the command line, as {fd: role}."""
+    out: dict[int, str] = {}
+    for spec in specs:
+        role, _, fd = spec.partition("=")
+        if role not in ROLES or not fd.isdigit():
+            raise SystemExit(f"--listen {spec!r}: expected ROLE=FD with ROLE one of {ROLES}")
+        out[int(fd)] = role
+    return out
+
+
+def build_config(app: str, *, access_log: bool, grace: float) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="httptools",
+        ws="websockets-sansio",
+        lifespan="on",
+        access_log=access_log,
+        log_config=None,  # Django's LOGGING (or the root logger) decides, as for every process
+        server_header=False,
+        date_header=True,
+        proxy_headers=False,  # a balancer's X-Forwarded-For is not trusted by default
+        timeout_graceful_shutdown=int(grace + CUT_MARGIN_SECONDS),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--listen", action="append", default=[], metavar="ROLE=FD")
+    parser.add_argument("--app", default="llmgw_site.asgi:application")
+    parser.add_argument("--ready-fd", type=int, default=None)
+    parser.add_argument("--access-log", action="store_true")
+    args = parser.parse_args(argv)
+    roles = listeners(args.listen)
+    if not roles:
+        parser.error("at least one --listen ROLE=FD")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
+    # The roles travel to the application by the local port each request arrived on.
+    sockets = [socket.socket(fileno=fd) for fd in roles]
+    ports = {
+        role: sock.getsockname()[1] for sock, role in zip(sockets, roles.values(), strict=True)
+    }
+    os.environ["LLMGW_LISTENER_PORTS"] = ",".join(f"{role}={port}" for role, port in ports.items())
+    grace = env_float(os.environ, "LLMGW_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE)
+    access_log = args.access_log or env_bool(os.environ, "LLMGW_ACCESS_LOG", False)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING)
+    # SIGHUP is for the launcher (a rolling restart); a web process it reaches by accident
+    # (a closed terminal) keeps serving until it is told to stop.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    config = build_config(args.app, access_log=access_log, grace=grace)
+    WebServer(config, grace=grace, ready_fd=args.ready_fd).run(sockets=sockets)
+
+
+if __name__ == "__main__":
+    main()
