@@ -59,6 +59,8 @@ SPLIT = frozenset(PORTS.values()) - {"client"}
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     kind = scope["type"]
+    if drain.draining and kind == "http":
+        send = closing(send)
     if SPLIT:
         await split_application(scope, receive, send)
     elif kind == "http":
@@ -75,6 +77,19 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         await lifespan(receive, send)
     else:
         raise ValueError(f"no application for ASGI scope type {kind!r}")
+
+
+def closing(send: Send) -> Send:
+    """While draining, every answer says ``Connection: close``: a kept-alive connection ends
+    after it instead of being closed under a client about to reuse it."""
+
+    async def send_closing(message: Mapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing
 
 
 async def split_application(scope: Scope, receive: Receive, send: Send) -> None:

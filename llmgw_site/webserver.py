@@ -45,6 +45,11 @@ logger = logging.getLogger("llmgw.webserver")
 CUT_MARGIN_SECONDS = 3.0
 # Signals this close together are one stop told twice, not an operator insisting.
 SAME_STOP_SECONDS = 2.0
+# A stopping process closes a kept-alive connection once it has been idle this long.
+IDLE_LINGER_SECONDS = 1.0
+# Longer than a balancer's or client pool's own idle timeout (60 s is common), so that the
+# client side closes first and never sends on a connection the server is closing.
+KEEP_ALIVE_SECONDS = 75
 ROLES = ("client", "admin", "metrics", "agent")
 
 
@@ -81,6 +86,46 @@ class WebServer(uvicorn.Server):
                 count,
             )
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's stop, but kinder to kept-alive connections: uvicorn closes idle ones at
+        once, and a client that sends its next request on one in that instant sees a
+        connection error. Here an idle connection stays open until it has been idle for
+        ``IDLE_LINGER_SECONDS``; a request that arrives on it meanwhile is served, answered
+        with ``Connection: close`` (``llmgw_site.asgi`` adds it while draining), and the
+        connection closes after that answer, which no client mistakes for an error."""
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            if not idle(connection):
+                connection.shutdown()  # closes after its answer; a WebSocket gets 1012 now
+        try:
+            await asyncio.wait_for(
+                self._drain_connections(), timeout=self.config.timeout_graceful_shutdown
+            )
+        except TimeoutError:
+            logger.error("cancelling %d task(s) past the grace", len(self.server_state.tasks))
+            for task in self.server_state.tasks:
+                task.cancel()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    async def _drain_connections(self) -> None:
+        loop = asyncio.get_running_loop()
+        idle_since: dict[object, float] = {}
+        state = self.server_state
+        while (state.connections or state.tasks) and not self.force_exit:
+            now = loop.time()
+            for connection in list(state.connections):
+                if not idle(connection):
+                    idle_since.pop(connection, None)
+                elif now - idle_since.setdefault(connection, now) >= IDLE_LINGER_SECONDS:
+                    connection.shutdown()
+            await asyncio.sleep(0.05)
+        for server in self.servers:
+            await server.wait_closed()
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.ready_fd is not None and self.started:
@@ -88,6 +133,14 @@ class WebServer(uvicorn.Server):
                 os.write(self.ready_fd, b"1")
                 os.close(self.ready_fd)
             self.ready_fd = None
+
+
+def idle(connection: object) -> bool:
+    """An HTTP connection between requests (a WebSocket is never idle: it is a stream)."""
+    if not hasattr(connection, "cycle"):
+        return False
+    cycle = connection.cycle
+    return cycle is None or bool(cycle.response_complete)
 
 
 def listeners(specs: list[str]) -> dict[int, str]:
@@ -114,6 +167,7 @@ def build_config(app: str, *, access_log: bool, grace: float) -> uvicorn.Config:
         date_header=True,
         proxy_headers=False,  # a balancer's X-Forwarded-For is not trusted by default
         timeout_graceful_shutdown=int(grace + CUT_MARGIN_SECONDS),
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
 
 
