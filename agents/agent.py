@@ -27,6 +27,7 @@ from agents.protocol import (
     MAX_MESSAGE_BYTES,
     NODE_HEADER,
     STREAM_PATH,
+    CloseCode,
     DesiredState,
     ErrorMessage,
     Heartbeat,
@@ -64,6 +65,18 @@ def backoff_delay(
     return step / 2 + rand() * step / 2
 
 
+# A close that says "this process is stopping", not "something is wrong": reconnect at once
+# (another web process or control plane takes the stream), with only a little jitter so a
+# fleet does not arrive in the same millisecond.
+STOPPING_CLOSE_CODES = frozenset({CloseCode.GOING_AWAY, CloseCode.SERVICE_RESTART})
+STOPPING_JITTER_SECONDS = 0.25
+
+
+def after_stopping_close(close_code: int | None) -> bool:
+    """The control plane ended the stream because it is stopping, not because of us."""
+    return close_code in STOPPING_CLOSE_CODES
+
+
 @dataclass(frozen=True)
 class ConnectionConfig:
     urls: tuple[str, ...]
@@ -98,6 +111,7 @@ class Agent:
         self.rand = rand
         self.boot_id = uuid.uuid4().hex
         self.connections = 0
+        self.last_close_code: int | None = None  # how the control plane ended the last stream
         self._ws: ClientConnection | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -107,6 +121,7 @@ class Agent:
         while not stop.is_set():
             url = self.config.urls[index % len(self.config.urls)]
             welcomed = False
+            self.last_close_code = None
             try:
                 welcomed = await self._connect(url, stop)
             except InvalidStatus as exc:
@@ -127,14 +142,22 @@ class Agent:
                 logger.warning("connection to %s lost: %s", url, exc)
             if stop.is_set():
                 break
-            if welcomed:
-                failures = 0  # it worked until now; start over gently, on the same URL
+            if welcomed and after_stopping_close(self.last_close_code):
+                failures = 0
+                index += 1  # that control plane is going away: the next one, now
+                delay = self.rand() * STOPPING_JITTER_SECONDS
             else:
-                failures += 1
-                index += 1  # try the next control plane
-            delay = backoff_delay(
-                failures, base=self.config.backoff_base, cap=self.config.backoff_max, rand=self.rand
-            )
+                if welcomed:
+                    failures = 0  # it worked until now; start over gently, on the same URL
+                else:
+                    failures += 1
+                    index += 1  # try the next control plane
+                delay = backoff_delay(
+                    failures,
+                    base=self.config.backoff_base,
+                    cap=self.config.backoff_max,
+                    rand=self.rand,
+                )
             logger.info(
                 "reconnecting in %.1fs to %s",
                 delay,
@@ -208,6 +231,7 @@ class Agent:
                 exc = task.exception()
                 if exc is not None and not isinstance(exc, ConnectionClosed):
                     raise exc
+            self.last_close_code = ws.close_code
             if ws.close_code in (None, 1006):
                 logger.warning("stream to %s lost (no close frame)", url)
             else:

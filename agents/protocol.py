@@ -51,6 +51,7 @@ class CloseCode(IntEnum):
 
     NORMAL = 1000
     GOING_AWAY = 1001
+    SERVICE_RESTART = 1012  # the control plane's process is stopping: reconnect now, elsewhere
     MALFORMED = 4400
     UNAUTHORIZED = 4401  # token missing, wrong or revoked
     FORBIDDEN = 4403  # the hello names another node than the token's

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.agent import backoff_delay, stream_url
+from agents.agent import after_stopping_close, backoff_delay, stream_url
 from agents.engines import (
     LaunchContext,
     RecipeError,
@@ -174,6 +174,14 @@ def test_backoff_doubles_up_to_the_cap_with_jitter_in_the_upper_half() -> None:
     assert high[:4] == [0.5, 1.0, 2.0, 4.0]
     assert max(high) == 30 and max(low) == 15
     assert backoff_delay(10**6, base=0.5, cap=30, rand=lambda: 0.5) == 22.5
+
+
+def test_a_stopping_control_plane_is_left_at_once_but_a_refusal_backs_off() -> None:
+    """1012 (a web process draining) and 1001 (going away) say "reconnect now, elsewhere";
+    every other close, or none, is a failure the backoff paces."""
+    assert after_stopping_close(1012) and after_stopping_close(1001)
+    for code in (None, 1000, 1006, 4401, 4409, 4503):
+        assert not after_stopping_close(code)
 
 
 def test_two_agents_do_not_retry_in_lock_step() -> None:

@@ -1,4 +1,4 @@
-"""The official ``openai`` client against a live daphne running llmgw, in front of live ``sim``
+"""The official ``openai`` client against a live llmgw web process, in front of live ``sim``
 engines: what a user sees, and the usage rows it leaves behind (G1, G3, G4, G7, G14, U5, U7)."""
 
 from __future__ import annotations

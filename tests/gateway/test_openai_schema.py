@@ -1,5 +1,5 @@
 """G16: Schemathesis generates requests from the published ``/v1/openapi.json`` and sends them
-to a live daphne running llmgw in front of a live ``sim``: no 5xx, and every response matches
+to a live llmgw web process in front of a live ``sim``: no 5xx, and every response matches
 what the document says (status, content type, body schema)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The relay under faults, end to end: live daphne in front of live ``sim`` engines that fail,
-hang and disconnect on purpose (G6, G10, G11, G12, G13)."""
+"""The relay under faults, end to end: a live llmgw web process in front of live ``sim`` engines
+that fail, hang and disconnect on purpose (G6, G10, G11, G12, G13)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The dashboard and the account page in a real headless Chromium, over a real cluster.
 
-One control plane (daphne, Celery worker and beat, Redis) and two agents with simulated GPUs
+One control plane (web process, Celery worker and beat, Redis) and two agents with simulated GPUs
 run on loopback; the reconciler places a model on them, the official ``openai`` client sends
 real traffic through ``/v1``, and usage rows come from that traffic. Then a browser:
 

@@ -1,6 +1,6 @@
 """A stopping web process, as clients see it: requests and streams in flight finish, new
 connections go to the other processes, and what outlives the grace is ended with an error a
-client library reads and recorded as interrupted (S1-S3 in docs/scenarios.md)."""
+client library reads and recorded as interrupted (S1, S2 in docs/scenarios.md)."""
 
 from __future__ import annotations
 
