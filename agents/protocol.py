@@ -29,7 +29,7 @@ from typing import Any, Final, TypeVar
 
 PROTOCOL_VERSION: Final = 1
 # The largest message either side accepts. A full desired state for a node with dozens of
-# shards is a few tens of KiB; Daphne's own frame limit (1 MiB) bounds memory before this.
+# shards is a few tens of KiB; the web server's own frame limit (1 MiB) bounds memory first.
 MAX_MESSAGE_BYTES: Final = 512 * 1024
 # Where the control plane serves agent streams, and the header an agent names itself with
 # (checked against its token at the handshake, so a node cannot claim another's name).

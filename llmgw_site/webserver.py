@@ -50,6 +50,9 @@ IDLE_LINGER_SECONDS = 1.0
 # Longer than a balancer's or client pool's own idle timeout (60 s is common), so that the
 # client side closes first and never sends on a connection the server is closing.
 KEEP_ALIVE_SECONDS = 75
+# A WebSocket frame past this is refused by the server before the application buffers it
+# (1009); the agents' protocol itself allows 512 KiB (agents.protocol.MAX_MESSAGE_BYTES).
+WS_MAX_BYTES = 1024 * 1024
 ROLES = ("client", "admin", "metrics", "agent")
 
 
@@ -127,6 +130,14 @@ class WebServer(uvicorn.Server):
             await server.wait_closed()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # The application is loaded by now, and with it Django's LOGGING, which may have made
+        # uvicorn's access logger propagate again. Settle it here: each connection asks once
+        # whether it has handlers, and one that does formats a line for every answer.
+        access = logging.getLogger("uvicorn.access")
+        access.handlers = []
+        access.propagate = self.config.access_log
+        if self.config.access_log:
+            access.setLevel(logging.INFO)
         await super().startup(sockets)
         if self.ready_fd is not None and self.started:
             with contextlib.suppress(OSError):
@@ -160,6 +171,7 @@ def build_config(app: str, *, access_log: bool, grace: float) -> uvicorn.Config:
         loop="uvloop",
         http="httptools",
         ws="websockets-sansio",
+        ws_max_size=WS_MAX_BYTES,
         lifespan="on",
         access_log=access_log,
         log_config=None,  # Django's LOGGING (or the root logger) decides, as for every process
