@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from email.message import Message
 from functools import partial
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def test_two_web_processes_let_through_exactly_the_keys_rpm(
         body = json.dumps(
             {"model": "lim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
         ).encode()
-        results: list[tuple[int, dict[str, str]]] = []
+        results: list[tuple[int, Message]] = []
         lock = threading.Lock()
 
         def call(index: int) -> None:
