@@ -203,12 +203,13 @@ def setup() -> Stack:
         stack.procs.append(pin(web, cpu=1))
         stack.targets[name] = Target(name, web.url, web)
     relay_env = {**env, "BENCH_UPSTREAM": sim.url}
-    others = {
-        "L1-granian": granian("L1-granian", "bench.relay:app", relay_env),
-        "L2-granian": granian("L2-granian", "llmgw_site.asgi:application", env),
-        "L2-daphne": daphne("L2-daphne", "llmgw_site.asgi:application", env),
-        "hello-granian": granian("hello-granian", "bench.hello:app", env),
-    }
+    others = {"L2-daphne": daphne("L2-daphne", "llmgw_site.asgi:application", env)}
+    if Path(sys.executable).with_name("granian").exists():
+        others["L1-granian"] = granian("L1-granian", "bench.relay:app", relay_env)
+        others["L2-granian"] = granian("L2-granian", "llmgw_site.asgi:application", env)
+        others["hello-granian"] = granian("hello-granian", "bench.hello:app", env)
+    else:
+        print("granian is not installed (requirements-dev.txt): its rows are skipped")
     others["hello-uvicorn"] = web_process("hello-uvicorn", WORK, env, app="bench.hello:app")
     litellm_bin = os.environ.get("LITELLM_BIN")
     if litellm_bin:
@@ -315,7 +316,7 @@ async def stream_rounds(stack: Stack, rounds: int, per_round: int) -> dict[str, 
         {**CHAT, "max_tokens": 20, "stream": True, "sim": {"itl_ms": 5, "ttft_ms": 5}}
     ).encode()
     instant = json.dumps({**CHAT, "max_tokens": 400, "stream": True}).encode()
-    names = ["L0", "L1", "L2", "L2-granian"]
+    names = [n for n in ("L0", "L1", "L2", "L2-granian") if n in stack.targets]
     ttft: dict[str, list[float]] = {n: [] for n in names}
     gap: dict[str, list[float]] = {n: [] for n in names}
     cpu = dict.fromkeys(names, 0.0)
@@ -589,7 +590,7 @@ def server_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None
     knees = report["throughput"]["knee_rps"]
 
     def trio(names: list[str], key: str, fmt: str) -> str:
-        return " / ".join(format(lat[n][key], fmt) for n in names)
+        return " / ".join(format(lat[n][key], fmt) if n in lat else "-" for n in names)
 
     hello = ["hello-uvicorn", "hello-granian"]
     l1 = ["L1", "L1-granian"]
