@@ -167,6 +167,9 @@ class Node(models.Model):
     port_max = models.PositiveIntegerField(null=True, blank=True, editable=False)
     weights_report = models.JSONField(default=list, blank=True, editable=False)
     stale_desired_rejected = models.PositiveIntegerField(default=0, editable=False)
+    # The highest leader epoch the agent reported having seen (hello): the leader keeps its
+    # lease's epoch above it, or the agent would refuse its desired state.
+    agent_epoch = models.BigIntegerField(default=0, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
-from django.db.models import Exists, F, OuterRef
+from django.db.models import Exists, F, Max, OuterRef
 from django.utils import timezone
 
 from control import health, leases, lifecycle, nudges, placement, scaling, weights
@@ -530,6 +530,11 @@ def _retire(lead: Leadership, replica_id: int, to: str, model: str, why: str) ->
 # --------------------------------------------------------------------------- running it
 
 
+def highest_agent_epoch() -> int:
+    """The highest leader epoch any agent reported having seen (0: none reported one)."""
+    return int(Node.objects.aggregate(highest=Max("agent_epoch"))["highest"] or 0)
+
+
 class Reconciler:
     """Keeps this process's claim between ticks and runs one tick at a time on this host."""
 
@@ -548,6 +553,7 @@ class Reconciler:
                 logger.debug("tick: follower (epoch %s)", self.leadership.epoch)
                 return TickResult(acted=False, epoch=self.leadership.epoch)
             try:
+                self.leadership = leases.advance_epoch(self.leadership, highest_agent_epoch())
                 result = tick(self.leadership)
                 logger.debug(
                     "tick: leader epoch %s, %s placed, %s changed, %.0f ms",

@@ -258,12 +258,31 @@ def test_run_once_acts_only_while_leading(settings: Any) -> None:
     assert view is not None and not view.held, "shutdown released the lease"
 
 
-def test_with_leader_election_off_the_tick_needs_no_lease(settings: Any) -> None:
-    settings.LLMGW_LEADER_ELECTION = False
+def test_a_clean_stop_hands_the_lease_to_the_next_control_plane_at_once() -> None:
     make_node("a", gpus=gib(80))
     model = make_model("m", min_replicas=1)
-    assert reconciler.Reconciler().run_once().placed == 1
+    first = reconciler.Reconciler()
+    assert first.run_once().placed == 1
+    epoch = first.leadership.epoch if first.leadership else 0
+    first.shutdown()
+    # The next control plane leads at its first tick, not after the TTL.
+    restarted = reconciler.Reconciler()
+    result = restarted.run_once()
+    assert result.acted and result.epoch == epoch + 1
     assert len(running(model)) == 1
+    restarted.shutdown()
+
+
+def test_a_leader_below_an_agents_epoch_moves_above_it_before_acting() -> None:
+    """A reset store: its lease starts again at epoch 1, the agent has seen 12."""
+    node = make_node("a", gpus=gib(80))
+    Node.objects.filter(pk=node.pk).update(agent_epoch=12)
+    model = make_model("m", min_replicas=1)
+    result = reconciler.Reconciler().run_once()
+    assert result.acted and result.epoch == 13
+    view = leases.read()
+    assert view is not None and view.epoch == 13
+    assert [r.epoch for r in running(model)] == [13]
 
 
 def test_deleting_a_model_asks_its_nodes_to_remove_its_weights_until_done(
