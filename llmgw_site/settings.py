@@ -175,7 +175,9 @@ _broker_dir = VAR_DIR / "broker"
 if not REDIS_URL:
     for _folder in ("processed", "bindings"):
         (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
-CELERY_BROKER_URL = REDIS_URL or "filesystem://localhost/"
+# Without Redis: kombu's filesystem transport made atomic (llmgw_site.broker), which
+# llmgw_site.celery registers under this scheme.
+CELERY_BROKER_URL = REDIS_URL or "llmgwfs://localhost/"
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = (
     {}
     if REDIS_URL
