@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from typing import Any
 
 from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
-from kombu.utils.encoding import str_to_bytes
-from kombu.utils.json import dumps
+from kombu.utils import json as kombu_json
 
 ALIAS = "llmgwfs"
 
@@ -53,10 +53,14 @@ def write_atomically(folder: str, name: str, data: bytes) -> None:
 
 
 class Channel(filesystem.Channel):
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    # The signature of kombu's filesystem Channel, which already names AbstractChannel's
+    # ``message`` ``payload``; no signature satisfies both.
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         """Put ``payload`` onto ``queue``, whole or not at all."""
-        name = message_name(queue, round(filesystem.monotonic() * 1000))
-        write_atomically(self.data_folder_out, name, str_to_bytes(dumps(payload)))
+        name = message_name(str(queue), round(time.monotonic() * 1000))
+        # kombu's own encoder, the one its reader's decoder pairs with (dates, UUIDs...).
+        data = str(kombu_json.dumps(payload)).encode()  # type: ignore[no-untyped-call]
+        write_atomically(self.data_folder_out, name, data)
 
 
 class Transport(filesystem.Transport):

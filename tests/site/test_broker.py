@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from django.db import connection
-from kombu import Connection
+from kombu.connection import Connection
 
 from llmgw_site import broker
 from llmgw_site.management.commands.run import celery_argv
