@@ -255,7 +255,14 @@ class Replica(models.Model):
     epoch = models.BigIntegerField(default=0, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     ready_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # When the last request on it finished (reported by the gateway): idle time and eviction's
+    # least-recently-used order count from it.
     last_request_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Set when it is told to drain. While the gateway still has requests in flight on it (and
+    # the drain timeout has not passed) its agent is sent "running", not "drain": the engine
+    # is not asked to stop under a request its own metrics may not show.
+    draining_since = models.DateTimeField(null=True, blank=True, editable=False)
+    drain_held = models.BooleanField(default=False, editable=False)
 
     class Meta:
         ordering = ["model", "id"]
@@ -333,6 +340,35 @@ class Lease(models.Model):
     @property
     def expires_at(self) -> datetime:
         return datetime.fromtimestamp(self.expires_at_ms / 1000, tz=UTC)
+
+
+class GatewayCount(models.Model):
+    """What one web process holds now: requests in flight on a replica, or requests waiting
+    for a model to start. Written by ``control.gateway_counts`` only (when Redis is not set);
+    a process that stops confirming its rows (``seen_at``) has them ignored, then removed."""
+
+    class Kind(models.TextChoices):
+        IN_FLIGHT = "in_flight", "in flight on a replica"
+        WAITING = "waiting", "waiting for a model to start"
+
+    process = models.CharField(max_length=200)
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    # A replica's id (in flight) or a model's id (waiting): no foreign key, so a count never
+    # blocks deleting either, and a stale one is harmless.
+    subject_id = models.BigIntegerField()
+    count = models.PositiveIntegerField(default=0)
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["process", "kind", "subject_id"], name="gateway_count_one_row"
+            ),
+        ]
+        indexes = [models.Index(fields=["kind", "subject_id"], name="gateway_count_subject")]
+
+    def __str__(self) -> str:
+        return f"{self.process} {self.kind} #{self.subject_id}: {self.count}"
 
 
 class Event(models.Model):

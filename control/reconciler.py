@@ -27,7 +27,16 @@ from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Exists, F, Max, OuterRef
 from django.utils import timezone
 
-from control import health, leases, lifecycle, nudges, placement, scaling, weights
+from control import (
+    gateway_counts,
+    health,
+    leases,
+    lifecycle,
+    nudges,
+    placement,
+    scaling,
+    weights,
+)
 from control.leases import Leadership, LeadershipLost
 from control.models import LIVE_SHARD_STATES, Event, Node, Replica, ServedModel, Shard
 
@@ -58,6 +67,17 @@ class ReplicaView:
     backoff_until: datetime | None
     last_request_at: datetime | None
     shards: list[ShardView] = field(default_factory=list)
+    # Requests the web processes have in flight on it (control.gateway_counts).
+    gateway_in_flight: int = 0
+    draining_since: datetime | None = None
+    drain_held: bool = False
+
+    @property
+    def in_flight(self) -> int:
+        """The gateway's count or the engines' own, whichever sees more: a request relayed by
+        the gateway is also running in the engine, so the two are not added up."""
+        engines = sum(s.requests_running for s in self.shards)
+        return max(self.gateway_in_flight, engines)
 
     def holds_resources(self) -> bool:
         if self.desired != Replica.Desired.STOPPED:
@@ -89,6 +109,7 @@ def read_snapshot(now: datetime) -> Snapshot:
     current = Replica.objects.exclude(desired=Replica.Desired.STOPPED) | Replica.objects.filter(
         Exists(live_shard)
     )
+    in_flight = gateway_counts.in_flight_by_replica()
     for replica in current.order_by("id"):
         replicas[replica.pk] = ReplicaView(
             replica.pk,
@@ -98,6 +119,9 @@ def read_snapshot(now: datetime) -> Snapshot:
             replica.failures,
             replica.backoff_until,
             replica.last_request_at,
+            gateway_in_flight=in_flight.get(replica.pk, 0),
+            draining_since=replica.draining_since,
+            drain_held=replica.drain_held,
         )
     for shard in Shard.objects.filter(replica_id__in=list(replicas)).order_by("replica_id", "rank"):
         replicas[shard.replica_id].shards.append(
@@ -171,15 +195,23 @@ def replica_request(model: ServedModel) -> placement.ReplicaRequest:
     )
 
 
-def demand_of(model: ServedModel) -> lifecycle.ModelDemand:
+def demand_of(
+    model: ServedModel, uses: Iterable[lifecycle.ReplicaUse] = ()
+) -> lifecycle.ModelDemand:
+    """The model's traffic: its last request (started, or finished on any of its replicas,
+    whichever is later) and what is in flight on its replicas now."""
+    uses = list(uses)
+    stamps = [model.last_request_at, *(u.last_request_at for u in uses)]
+    known = [s for s in stamps if s is not None]
     return lifecycle.ModelDemand(
         enabled=model.enabled,
         min_replicas=model.min_replicas,
         max_replicas=model.max_replicas,
         idle_timeout=timedelta(seconds=model.idle_timeout_s),
         activation_timeout=timedelta(seconds=model.activation_timeout_s),
-        last_request_at=model.last_request_at,
+        last_request_at=max(known) if known else None,
         demand_at=model.demand_at,
+        requests_in_flight=sum(u.in_flight for u in uses),
     )
 
 
@@ -258,9 +290,14 @@ def change_desired(
     why: str,
 ) -> bool:
     """Move a replica's desired state if it is still in one of ``from_states``."""
+    extra: dict[str, object] = {}
+    if to == Replica.Desired.DRAINING:
+        # Held back from the agent while the gateway has requests in flight on it.
+        busy = gateway_counts.in_flight_by_replica().get(replica_id, 0) > 0
+        extra = {"draining_since": timezone.now(), "drain_held": busy}
     with leases.fenced(lead):
         changed = Replica.objects.filter(pk=replica_id, desired__in=list(from_states)).update(
-            desired=to, epoch=lead.epoch
+            desired=to, epoch=lead.epoch, **extra
         )
         if changed:
             _event(
@@ -268,6 +305,24 @@ def change_desired(
                 Event.Kind.LIFECYCLE,
                 subject,
                 f"replica #{replica_id} → {to}: {why}",
+                replica=replica_id,
+            )
+            _touch_nodes(_node_ids(replica_id))
+    return bool(changed)
+
+
+def release_drain(lead: Leadership, replica_id: int, subject: str, why: str) -> bool:
+    """Let a held drain reach the agent: its engine now drains and stops."""
+    with leases.fenced(lead):
+        changed = Replica.objects.filter(
+            pk=replica_id, desired=Replica.Desired.DRAINING, drain_held=True
+        ).update(drain_held=False, epoch=lead.epoch)
+        if changed:
+            _event(
+                lead,
+                Event.Kind.LIFECYCLE,
+                subject,
+                f"replica #{replica_id} draining on its node: {why}",
                 replica=replica_id,
             )
             _touch_nodes(_node_ids(replica_id))
@@ -317,10 +372,15 @@ def restart_replica(lead: Leadership, replica: ReplicaView, subject: str) -> Non
 
 def satisfy_demand(lead: Leadership, model: ServedModel) -> None:
     """A ready replica answers the waiting requests: forget the demand, unless a newer one
-    arrived since the snapshot (the compare on ``demand_at`` keeps it)."""
+    arrived since the snapshot (the compare on ``demand_at`` keeps it). Their being served is
+    use: the idle timeout counts from now, not from when they arrived."""
+    now = timezone.now()
     with leases.fenced(lead):
-        ServedModel.objects.filter(pk=model.pk, demand_at=model.demand_at).update(demand_at=None)
+        ServedModel.objects.filter(pk=model.pk, demand_at=model.demand_at).update(
+            demand_at=None, last_request_at=now
+        )
     model.demand_at = None
+    model.last_request_at = now
 
 
 def reset_failures(lead: Leadership, replica: ReplicaView) -> None:
@@ -350,6 +410,7 @@ def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
     result = TickResult(acted=True, epoch=lead.epoch)
     _abandon_lost(lead, snapshot, result)
     _restart_failed(lead, snapshot, result)
+    _release_held_drains(lead, snapshot, result)
     _finish_drains(lead, snapshot, result)
     _scale_all(lead, snapshot, result)
     _settle_weight_removals(lead, snapshot, result)
@@ -412,6 +473,21 @@ def _restart_failed(lead: Leadership, snapshot: Snapshot, result: TickResult) ->
             result.changed += 1
 
 
+def _release_held_drains(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+    """A draining replica held for the gateway's requests in flight is let go to its agent
+    once they finished, or once the drain timeout passed."""
+    timeout = timedelta(seconds=float(settings.LLMGW_DRAIN_TIMEOUT))
+    for replica in snapshot.replicas:
+        if replica.desired != Replica.Desired.DRAINING or not replica.drain_held:
+            continue
+        began = replica.draining_since or snapshot.now
+        if replica.gateway_in_flight == 0 or snapshot.now >= began + timeout:
+            why = "no request in flight" if replica.gateway_in_flight == 0 else "drain timeout"
+            if release_drain(lead, replica.id, _subject(snapshot, replica), why):
+                replica.drain_held = False
+                result.changed += 1
+
+
 def _finish_drains(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
     """A draining replica whose shards all stopped is stopped."""
     for replica in snapshot.replicas:
@@ -441,7 +517,7 @@ def _use(model: ServedModel, replica: ReplicaView) -> lifecycle.ReplicaUse:
         model=model.name,
         ready=replica.observed == Replica.Observed.READY,
         pinned=model.pinned,
-        in_flight=sum(s.requests_running for s in replica.shards),
+        in_flight=replica.in_flight,
         last_request_at=replica.last_request_at or model.last_request_at,
     )
 
@@ -489,8 +565,9 @@ def _scale(
     lead: Leadership, view: ScalingView, model: ServedModel, now: datetime, result: TickResult
 ) -> None:
     """Carry out the scaling decision for one model, one state change per action, in order."""
+    mine = [r.use for r in view.replicas if r.use.model == model.name and not r.draining]
     decision = scaling.scale(
-        scaling.ModelScale(model.name, demand_of(model), replica_request(model)),
+        scaling.ModelScale(model.name, demand_of(model, mine), replica_request(model)),
         view.replicas,
         view.fleet,
         min_replicas=view.min_replicas,

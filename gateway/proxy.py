@@ -26,6 +26,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from django.conf import settings
+from django.db import DatabaseError
+from redis.exceptions import RedisError
 
 from gateway import limits, payload, responses, routing
 from gateway.errors import ApiError, error_response, model_not_found
@@ -242,10 +244,16 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
 # --- activation -----------------------------------------------------------------------------
 
 
-def _activation_slot(ex: Exchange, route: routing.Route) -> int:
+async def _activation_slot(ex: Exchange, route: routing.Route) -> int:
+    """A place in the model's queue of waiters, counted across every web process."""
     assert route.catalog_id is not None
-    waiting = upstreams.waiting.get(route.catalog_id, 0)
-    if waiting >= route.max_waiting:
+    try:
+        taken = await upstreams.take_waiting_slot(route.catalog_id, route.max_waiting)
+    except (DatabaseError, RedisError):
+        raise ApiError(
+            503, "The gateway cannot queue requests right now.", "queue_unavailable", retry_after=5
+        ) from None
+    if not taken:
         metrics.observe_activation_wait(route.name, 0.0, "rejected")
         raise ApiError(
             429,
@@ -253,17 +261,8 @@ def _activation_slot(ex: Exchange, route: routing.Route) -> int:
             "model_activation_queue_full",
             retry_after=5,
         )
-    upstreams.waiting[route.catalog_id] = waiting + 1
     upstreams.note_demand(route)
     return route.catalog_id
-
-
-def _leave_activation(catalog_id: int) -> None:
-    left = upstreams.waiting.get(catalog_id, 1) - 1
-    if left <= 0:
-        upstreams.waiting.pop(catalog_id, None)
-    else:
-        upstreams.waiting[catalog_id] = left
 
 
 async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[routing.Route | None]:
@@ -271,7 +270,7 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
     upstream. Raises 503 with Retry-After when the model's activation timeout passes."""
     if route.catalog_id is None:
         raise ApiError(503, f"No upstream serves '{route.name}' now.", "no_upstream", retry_after=5)
-    catalog_id = _activation_slot(ex, route)
+    catalog_id = await _activation_slot(ex, route)
     assert ex.body is not None
     began = time.monotonic()
     deadline = began + route.activation_timeout_s
@@ -302,7 +301,7 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
             with metrics.waiting_for_activation(route.name):
                 await upstreams.changed(min(deadline, next_keepalive) - now)
     finally:
-        _leave_activation(catalog_id)
+        upstreams.leave_waiting_slot(catalog_id)
         metrics.observe_activation_wait(route.name, time.monotonic() - began, outcome)
 
 
