@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
@@ -120,6 +121,45 @@ class ServedModel(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class ProfileScale(models.Model):
+    """How many replicas a model runs under one of its other profiles (not the default, whose
+    counts are the model's own), and that profile's observed demand.
+
+    A model runs under several profiles at once: clients ask for ``name@profile`` to be
+    served only by that profile's replicas. Without a row, another profile runs 0 to 1
+    replicas, started by demand.
+    """
+
+    model = models.ForeignKey(ServedModel, on_delete=models.CASCADE, related_name="scales")
+    profile = models.ForeignKey(Profile, on_delete=models.CASCADE, related_name="scales")
+    min_replicas = models.PositiveSmallIntegerField(default=0)
+    max_replicas = models.PositiveSmallIntegerField(default=1)
+    # Observed, as on the model: a request for name@profile found no ready replica, and when
+    # the last one was served (written by the gateway and the reconciler).
+    demand_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_request_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        verbose_name = "replicas under another profile"
+        verbose_name_plural = "replicas under other profiles"
+        constraints = [
+            models.UniqueConstraint(fields=["model", "profile"], name="profile_scale_one_row"),
+            models.CheckConstraint(
+                condition=models.Q(min_replicas__lte=models.F("max_replicas")),
+                name="profile_scale_min_within_max",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model.name}@{self.profile.name}"
+
+    def clean(self) -> None:
+        if self.model_id and self.profile_id and self.profile_id == self.model.default_profile_id:
+            raise ValidationError(
+                {"profile": "The default profile's replica counts are the model's own."}
+            )
 
 
 class Node(models.Model):

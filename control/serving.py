@@ -27,7 +27,7 @@ from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
 from control import gateway_counts, leases
-from control.models import Node, Profile, Replica, ServedModel, Shard
+from control.models import Node, Profile, ProfileScale, Replica, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class CatalogEntry:
     first_byte_timeout_s: float | None
     stream_idle_timeout_s: float | None
     profiles: frozenset[str]  # the profiles it may run under, its default included
+    default_profile: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def routing_snapshot() -> RoutingSnapshot:
             first_byte_timeout_s=row["first_byte_timeout_s"],
             stream_idle_timeout_s=row["stream_idle_timeout_s"],
             profiles=frozenset(profiles.get(row["id"], ())),
+            default_profile=profile_names.get(row["default_profile_id"], ""),
         )
         for row in rows
     ]
@@ -189,6 +191,34 @@ def record_demand(model_ids: Collection[int]) -> None:
         .filter(Q(demand_at__isnull=True) | Q(demand_at__lt=fresh))
         .update(demand_at=now)
     )
+    if recorded:
+        request_tick()
+
+
+def record_profile_demand(wanted: Collection[tuple[int, str]]) -> None:
+    """Requests for ``model@profile`` (model id, profile name; not the default profile) found
+    no ready replica of that profile: the reconciler places one under it. Conditional like
+    :func:`record_demand`; the profile's row is made on first demand (0 to 1 replicas)."""
+    now = timezone.now()
+    fresh = now - timedelta(seconds=STAMP_EVERY_S)
+    recorded = 0
+    for model_id, profile_name in wanted:
+        model = ServedModel.objects.filter(pk=model_id).values("default_profile_id").first()
+        profile_id = (
+            ServedModel.profiles.through.objects.filter(
+                servedmodel_id=model_id, profile__name=profile_name
+            )
+            .values_list("profile_id", flat=True)
+            .first()
+        )
+        if model is None or profile_id is None or profile_id == model["default_profile_id"]:
+            continue
+        scale, _ = ProfileScale.objects.get_or_create(model_id=model_id, profile_id=profile_id)
+        recorded += (
+            ProfileScale.objects.filter(pk=scale.pk)
+            .filter(Q(demand_at__isnull=True) | Q(demand_at__lt=fresh))
+            .update(demand_at=now)
+        )
     if recorded:
         request_tick()
 

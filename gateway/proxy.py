@@ -279,7 +279,9 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
     outcome = "disconnected"  # unless the loop below says otherwise
     try:
         while True:
-            current = upstreams.table.resolve(ex.body.model)
+            # The route asked for, profile included (the body now names the model only).
+            wanted = f"{route.name}@{route.profile}" if route.profile else ex.body.model
+            current = upstreams.table.resolve(wanted)
             if current is not None and current.upstreams:
                 outcome = "ready"
                 yield current

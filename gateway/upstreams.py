@@ -54,6 +54,7 @@ def load_table(version: int = 0) -> routing.Table:
             connect_timeout_s=entry.connect_timeout_s,
             first_byte_timeout_s=entry.first_byte_timeout_s,
             stream_idle_timeout_s=entry.stream_idle_timeout_s,
+            default_profile=entry.default_profile,
         )
         for entry in snapshot.models
     ]
@@ -94,9 +95,10 @@ class Upstreams:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._first_load: asyncio.Future[None] | None = None
-        self._stamped: dict[tuple[str, int], float] = {}
+        self._stamped: dict[tuple[object, ...], float] = {}
         self._pending_last_request: set[tuple[str, int]] = set()
         self._pending_demand: set[int] = set()
+        self._pending_profile_demand: set[tuple[int, str]] = set()
         self._finished: dict[int, datetime] = {}
         self._reported_busy: frozenset[int] | None = None
         self._reported_at = -math.inf
@@ -231,7 +233,9 @@ class Upstreams:
     # --- stamps for the reconciler (coalesced, written by the refresh task) ---------------
 
     def note_request(self, route: routing.Route, upstream: routing.Upstream | None) -> None:
-        if route.catalog_id is not None:
+        # A request for model@profile is use of that profile's replicas, told through their
+        # finish times and in-flight counts; the model's own stamp is its default profile's.
+        if route.catalog_id is not None and route.default_profile:
             self._pending_last_request.add(("model", route.catalog_id))
         if upstream is not None and upstream.id.startswith("replica:"):
             self._pending_last_request.add(("replica", int(upstream.id[8:])))
@@ -240,13 +244,20 @@ class Upstreams:
         """A request found no ready replica; the reconciler places one on its next tick."""
         if route.catalog_id is None:
             return
-        self._pending_demand.add(route.catalog_id)
+        if route.default_profile or route.profile is None:
+            self._pending_demand.add(route.catalog_id)
+        else:
+            self._pending_profile_demand.add((route.catalog_id, route.profile))
         # Demand is what starts a cold model: write it now, not at the next refresh.
         self.request_refresh()
 
     async def _write_stamps(self) -> None:
         now = time.monotonic()
         due_demand = {m for m in self._pending_demand if self._due(("demand", m), now)}
+        due_profiles = {
+            (m, p) for m, p in self._pending_profile_demand if self._due(("demand", m, p), now)
+        }
+        self._pending_profile_demand -= due_profiles
         due_last = {k for k in self._pending_last_request if self._due(k, now)}
         due_finished = {
             r: at for r, at in self._finished.items() if self._due(("finished", r), now)
@@ -255,8 +266,8 @@ class Upstreams:
         self._pending_last_request -= due_last
         for replica_id in due_finished:
             del self._finished[replica_id]
-        if due_demand or due_last or due_finished:
-            await sync_to_async(write_stamps)(due_demand, due_last, due_finished)
+        if due_demand or due_last or due_finished or due_profiles:
+            await sync_to_async(write_stamps)(due_demand, due_last, due_finished, due_profiles)
 
     async def _report_in_flight(self) -> None:
         """Tell the control plane what is in flight here, when the set of busy replicas
@@ -300,7 +311,7 @@ class Upstreams:
             # The slot's row goes stale with this process's next missed heartbeat at worst.
             logger.warning("could not give back a waiting slot: %s", type(exc).__name__)
 
-    def _due(self, key: tuple[str, int], now: float) -> bool:
+    def _due(self, key: tuple[object, ...], now: float) -> bool:
         # The control plane keeps stamps to this precision; writing more often is wasted.
         every = serving.STAMP_EVERY_S
         if now - self._stamped.get(key, -every) < every:
@@ -313,10 +324,13 @@ def write_stamps(
     demand: set[int],
     last_request: set[tuple[str, int]],
     finished: dict[int, datetime] | None = None,
+    profile_demand: set[tuple[int, str]] | None = None,
 ) -> None:
     """Report demand and last requests to the control plane (which writes them only where its
     stamp is older than ``serving.STAMP_EVERY_S``, so processes do not pile up writes)."""
     serving.record_demand(demand)
+    if profile_demand:
+        serving.record_profile_demand(profile_demand)
     serving.record_requests(
         [i for kind, i in last_request if kind == "model"],
         [i for kind, i in last_request if kind == "replica"],

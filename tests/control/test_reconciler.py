@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from control import gateway_counts, leases, reconciler, serving
 from control.desired_state import build_desired_state
-from control.models import Event, Node, Replica, ServedModel, Shard
-from tests.harness.factories import gib, make_model, make_node
+from control.models import Event, Node, ProfileScale, Replica, ServedModel, Shard
+from tests.harness.factories import gib, make_model, make_node, make_profile
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
 
@@ -431,3 +431,47 @@ def test_a_model_re_added_with_the_same_source_cancels_the_removal(
     make_model("m2", source="org/m")
     run_tick(lead)
     assert Node.objects.get(name="a").remove_weights == []
+
+
+def test_a_model_runs_under_another_profile_with_its_own_settings_and_counts(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80, 80, 80))
+    model = make_model("m", min_replicas=1, idle_timeout_s=3600)
+    wide = make_profile("wide", gpus_per_shard=2)
+    model.profiles.add(wide)
+    run_tick(lead)
+    (default,) = running(model)
+    assert default.profile_id == model.default_profile_id, "no demand under wide yet"
+
+    serving.record_profile_demand([(model.pk, "wide")])
+    run_tick(lead)
+    (under_wide,) = [r for r in running(model) if r.profile_id == wide.pk]
+    assert len(under_wide.shards.get().gpu_indices) == 2, "placed with wide's settings"
+    assert Event.objects.filter(message__contains="under profile wide").exists()
+
+    set_observed(under_wide, Replica.Observed.READY)
+    run_tick(lead)
+    scale = ProfileScale.objects.get(model=model, profile=wide)
+    assert scale.demand_at is None and scale.last_request_at is not None, "demand met"
+    assert len(running(model)) == 2, "each profile keeps its own replicas"
+
+
+def test_a_profile_minimum_is_kept_and_a_dropped_profile_is_retired(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80, 80, 80))
+    model = make_model("m", min_replicas=0, idle_timeout_s=3600)
+    other = make_profile("other")
+    model.profiles.add(other)
+    ProfileScale.objects.create(model=model, profile=other, min_replicas=2, max_replicas=2)
+    run_tick(lead)
+    replicas = running(model)
+    assert len(replicas) == 2 and {r.profile_id for r in replicas} == {other.pk}
+    for replica in replicas:
+        set_observed(replica, Replica.Observed.READY)
+
+    model.profiles.remove(other)
+    run_tick(lead)
+    assert running(model) == []
+    assert model.replicas.filter(desired=Replica.Desired.DRAINING).count() == 2
