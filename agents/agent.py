@@ -251,6 +251,7 @@ class Agent:
             gpus=self.supervisor.gpus.read(),
             addresses=self.config.addresses or _local_address(ws),
             port_range=self.config.port_range,
+            highest_epoch=self.supervisor.highest_epoch,
         )
         await ws.send(encode(hello))
         raw = await asyncio.wait_for(ws.recv(), timeout=self.config.hello_timeout)

@@ -37,6 +37,8 @@ STREAM_PATH: Final = "/agents/stream"
 NODE_HEADER: Final = "X-Llmgw-Node"
 TOKEN_PREFIX: Final = "llmgw_node_"  # noqa: S105 - the visible prefix, not a secret
 
+# Leader epochs rise by one per change of leader; no real cluster comes near this.
+MAX_EPOCH: Final = 2**53
 LOG_TAIL_MAX_LINES: Final = 50
 LOG_LINE_MAX_CHARS: Final = 1000
 
@@ -288,6 +290,9 @@ class Hello:
     gpus: tuple[GpuInfo, ...] = ()
     addresses: tuple[str, ...] = ()
     port_range: tuple[int, int] | None = None
+    # The highest leader epoch this agent has accepted (kept across its restarts): a leader
+    # below it moves its lease above it before sending desired state, which would be refused.
+    highest_epoch: int = 0
     protocol_version: int = PROTOCOL_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -298,6 +303,7 @@ class Hello:
             "gpus": [g.to_dict() for g in self.gpus],
             "addresses": list(self.addresses),
             "port_range": list(self.port_range) if self.port_range else None,
+            "highest_epoch": self.highest_epoch,
         }
 
     @classmethod
@@ -330,6 +336,9 @@ class Hello:
             gpus=gpus,
             addresses=f.texts("addresses", max_items=32, max_len=255),
             port_range=port_range,
+            # Bounded well below the column's limit, so moving the lease above it cannot
+            # overflow; absent (an older agent) reads as "seen nothing".
+            highest_epoch=f.integer("highest_epoch", 0, high=MAX_EPOCH),
         )
 
 

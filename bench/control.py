@@ -148,7 +148,7 @@ def failover(work: Path) -> dict[str, float]:
     from llmgw_site.management.commands.run import celery_argv
 
     var = work / "failover"
-    with make_run(var, LLMGW_LEADER_ELECTION="true") as (run, base, key):
+    with make_run(var) as (run, base, key):
         # A second control plane on the same store: its own worker, beat and broker folder.
         other = var / "cp2"
         other.mkdir()

@@ -21,7 +21,17 @@ from django.template.response import TemplateResponse
 
 from agents.protocol import valid_weights_name
 from control import node_tokens, nudges, operations, profiles
-from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
+from control.models import (
+    Event,
+    Gpu,
+    Lease,
+    Node,
+    Profile,
+    ProfileScale,
+    Replica,
+    ServedModel,
+    Shard,
+)
 
 _Record = TypeVar("_Record", Lease, Event)
 
@@ -75,8 +85,18 @@ class ProfileAdmin(admin.ModelAdmin[Profile]):
     search_fields = ["name"]
 
 
+class ProfileScaleInline(admin.TabularInline[ProfileScale, ServedModel]):
+    """Replica counts under the model's other profiles (the default's are the model's own)."""
+
+    model = ProfileScale
+    extra = 0
+    fields = ["profile", "min_replicas", "max_replicas", "demand_at", "last_request_at"]
+    readonly_fields = ["demand_at", "last_request_at"]
+
+
 @admin.register(ServedModel)
 class ServedModelAdmin(admin.ModelAdmin[ServedModel]):
+    inlines = [ProfileScaleInline]
     list_display = [
         "name",
         "default_profile",

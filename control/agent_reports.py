@@ -45,6 +45,7 @@ def register_hello(node_id: int, hello: Hello) -> None:
             health=Health.READY,
             port_min=hello.port_range[0] if hello.port_range else None,
             port_max=hello.port_range[1] if hello.port_range else None,
+            agent_epoch=hello.highest_epoch,
         )
         _store_gpus(node_id, hello.gpus, now, prune=True)
         if was != Health.READY or restarted or not node.boot_id:

@@ -112,6 +112,7 @@ class AgentSession:
         self.beats = Coalescer(health.heartbeat_write_interval(), clock)
         self.written = _Written(shards={})
         self.sent_revision: int | None = None
+        self.awaiting_epoch = False
         self._send_lock = asyncio.Lock()
 
     @property
@@ -232,6 +233,22 @@ class AgentSession:
                 )
                 self.next_resync = self.clock() + min(self.resync_interval, 2.0)
                 return
+            if desired.epoch < self.hello.highest_epoch:
+                # The agent would refuse it (a restored or reset store). The leader moves its
+                # epoch above the agent's at its next tick; look again shortly, send nothing
+                # meanwhile: the agent keeps what it runs.
+                if not self.awaiting_epoch:
+                    logger.warning(
+                        "node %s: has seen epoch %s, the lease is at %s; waiting for the "
+                        "leader to move above it",
+                        self.name,
+                        self.hello.highest_epoch,
+                        desired.epoch,
+                    )
+                self.awaiting_epoch = True
+                self.next_resync = self.clock() + self.tick_interval
+                return
+            self.awaiting_epoch = False
             await self.transport.send_text(encode(desired))
             self.next_resync = self.clock() + self.resync_interval
             if desired.revision != self.sent_revision:

@@ -117,13 +117,10 @@ def _models(now: datetime) -> list[dict[str, Any]]:
 
 
 def _lease() -> dict[str, Any]:
-    if not leases.election_enabled():
-        return {"election": False}
     view = leases.read()
     if view is None:
-        return {"election": True, "held": False, "holder": "", "epoch": 0, "expires_in": None}
+        return {"held": False, "holder": "", "epoch": 0, "expires_in": None}
     return {
-        "election": True,
         "held": view.held,
         "holder": view.owner,
         "epoch": view.epoch,

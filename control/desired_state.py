@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from agents.protocol import DesiredShard, DesiredShardState, DesiredState, Engine
 from control import leases
@@ -23,9 +24,7 @@ def desired_revision(node_id: int) -> int | None:
 
 
 def current_epoch() -> int:
-    """The leader epoch desired state is stamped with (0 with leader election off)."""
-    if not leases.election_enabled():
-        return 0
+    """The leader epoch desired state is stamped with (0 before anybody ever led)."""
     view = leases.read()
     return view.epoch if view is not None else 0
 
@@ -46,6 +45,7 @@ def build_desired_state(node_id: int) -> DesiredState:
         }
         epoch = current_epoch()
     drain_timeout = float(settings.LLMGW_DRAIN_TIMEOUT)
+    now = timezone.now()
     out: list[DesiredShard] = []
     for shard in shards:
         replica = shard.replica
@@ -57,12 +57,22 @@ def build_desired_state(node_id: int) -> DesiredState:
             continue  # nothing runs that would need stopping; leave it out of the snapshot
         profile = replica.profile
         head = heads.get(replica.pk)
+        state = DesiredShardState(str(replica.desired))
+        timeout = drain_timeout
+        if replica.desired == Replica.Desired.DRAINING:
+            if replica.drain_held:
+                # The gateway still has requests in flight on it: keep it serving them.
+                state = DesiredShardState.RUNNING
+            elif replica.draining_since is not None:
+                # One drain timeout in all, the time held for the gateway included.
+                spent = (now - replica.draining_since).total_seconds()
+                timeout = max(0.0, drain_timeout - spent)
         out.append(
             DesiredShard(
                 shard_id=shard.pk,
                 replica_id=replica.pk,
                 generation=replica.generation,
-                state=DesiredShardState(str(replica.desired)),
+                state=state,
                 engine=Engine(str(profile.engine)),
                 model=replica.model.name,
                 source=replica.model.source,
@@ -76,7 +86,7 @@ def build_desired_state(node_id: int) -> DesiredState:
                 head_port=head.port if head is not None else 0,
                 health_path=profile.health_path,
                 startup_timeout_s=float(profile.startup_timeout_s),
-                drain_timeout_s=drain_timeout,
+                drain_timeout_s=timeout,
             )
         )
     return DesiredState(

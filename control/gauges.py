@@ -111,13 +111,7 @@ class FleetCollector:
             cold.add_metric([model_name], seconds)
         yield cold
 
-        election = leases.election_enabled()
-        yield _gauge(
-            "llmgw_leader_election_enabled",
-            "1 if leader election is on; off means the single control plane leads.",
-            1.0 if election else 0.0,
-        )
-        view = leases.read() if election else None
+        view = leases.read()
         held = view is not None and view.held
         yield _gauge("llmgw_lease_held", "1 if some process holds the lease now.", float(held))
         yield _gauge(

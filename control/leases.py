@@ -14,7 +14,6 @@ in the same transaction while holding the lease row, so a deposed leader's write
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import socket
@@ -58,6 +57,14 @@ WHERE name = %s AND owner = %s AND epoch = %s
 FENCE_SQL = """
 UPDATE control_lease SET epoch = epoch
 WHERE name = %s AND owner = %s AND epoch = %s AND expires_at_ms > llmgw_clock_ms()
+"""
+
+# Move the live holder's epoch up (never down) without a change of owner: an agent has seen a
+# higher epoch than this store's, from a store since restored or reset.
+ADVANCE_SQL = """
+UPDATE control_lease SET epoch = %s
+WHERE name = %s AND owner = %s AND epoch = %s AND epoch < %s
+  AND expires_at_ms > llmgw_clock_ms()
 """
 
 READ_SQL = """
@@ -109,10 +116,6 @@ class Leadership:
         return self.is_leader and clock() < self.act_until
 
 
-def election_enabled() -> bool:
-    return bool(settings.LLMGW_LEADER_ELECTION)
-
-
 def claim(
     name: str = RECONCILER,
     *,
@@ -129,8 +132,6 @@ def claim(
     evidence that somebody else leads.
     """
     owner = owner or owner_id()
-    if not election_enabled():
-        return Leadership(name, owner, epoch=0, is_leader=True, act_until=math.inf)
     ttl = settings.LLMGW_LEASE_TTL if ttl is None else ttl
     renew_deadline = (
         settings.LLMGW_LEASE_RENEW_DEADLINE if renew_deadline is None else renew_deadline
@@ -184,7 +185,7 @@ def _log_transition(previous: Leadership | None, current: Leadership) -> None:
 
 def release(leadership: Leadership) -> bool:
     """Give the lease up (graceful shutdown), so a standby need not wait out the TTL."""
-    if not election_enabled() or not leadership.is_leader:
+    if not leadership.is_leader:
         return False
     try:
         with connection.cursor() as cursor:
@@ -196,6 +197,40 @@ def release(leadership: Leadership) -> bool:
     if released:
         logger.info("lease %s: released epoch %s", leadership.name, leadership.epoch)
     return released
+
+
+def advance_epoch(leadership: Leadership, above: int) -> Leadership:
+    """Move the held lease to an epoch above ``above`` when it is below it.
+
+    Agents refuse desired state stamped lower than the highest epoch they have seen, so a
+    leader on a restored or reset store (its epoch counting from 1 again) would be refused
+    for ever; it jumps past what the agents report instead. Returns the leadership to act
+    with: unchanged when already above, not leading when the row says it no longer holds.
+    """
+    if not leadership.is_leader or leadership.epoch >= above:
+        return leadership
+    target = above + 1
+    with connection.cursor() as cursor:
+        cursor.execute(
+            ADVANCE_SQL, [target, leadership.name, leadership.owner, leadership.epoch, target]
+        )
+        moved = cursor.rowcount == 1
+    if not moved:
+        logger.warning(
+            "lease %s: could not move epoch %s above %s: no longer held",
+            leadership.name,
+            leadership.epoch,
+            above,
+        )
+        return replace(leadership, is_leader=False, act_until=0.0)
+    logger.warning(
+        "lease %s: an agent has seen epoch %s; this leader moved from epoch %s to %s",
+        leadership.name,
+        above,
+        leadership.epoch,
+        target,
+    )
+    return replace(leadership, epoch=target)
 
 
 @dataclass(frozen=True)
@@ -231,10 +266,6 @@ def fenced(leadership: Leadership, *, clock: Clock = time.monotonic) -> Iterator
     row shows another owner or epoch; the whole transaction (the block's writes included) is then
     rolled back.
     """
-    if not election_enabled():
-        with transaction.atomic():
-            yield
-        return
     if not leadership.may_act(clock):
         raise LeadershipLost(
             f"lease {leadership.name}: epoch {leadership.epoch} is past its deadline"

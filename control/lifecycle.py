@@ -27,10 +27,16 @@ class ModelDemand:
     activation_timeout: timedelta
     last_request_at: datetime | None
     demand_at: datetime | None
+    # Requests in flight on its replicas now (the gateway's count and the engines' own).
+    requests_in_flight: int = 0
 
 
 def is_busy(model: ModelDemand, now: datetime) -> bool:
-    """Served a request within its idle timeout."""
+    """A request is in flight, or one started or finished within its idle timeout. "Idle"
+    counts from the end of the last request, never from its start: a generation longer than
+    the idle timeout keeps its model."""
+    if model.requests_in_flight > 0:
+        return True
     return model.last_request_at is not None and now - model.last_request_at < model.idle_timeout
 
 
@@ -77,11 +83,13 @@ def _least_recently_used(replica: ReplicaUse) -> tuple[bool, float]:
 
 def surplus_to_stop(replicas: Sequence[ReplicaUse], wanted: int) -> list[ReplicaUse]:
     """Which of one model's replicas to stop to get down to ``wanted``: ones not yet ready
-    first (they serve nobody), then least recently used."""
+    first (they serve nobody), then least recently used. A replica with a request in flight
+    is never chosen: the model stays above ``wanted`` until it finishes."""
     surplus = len(replicas) - wanted
     if surplus <= 0:
         return []
-    ordered = sorted(replicas, key=lambda r: (r.ready, *_least_recently_used(r), r.replica_id))
+    idle = [r for r in replicas if r.in_flight == 0]
+    ordered = sorted(idle, key=lambda r: (r.ready, *_least_recently_used(r), r.replica_id))
     return ordered[:surplus]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
@@ -122,6 +123,45 @@ class ServedModel(models.Model):
         return self.name
 
 
+class ProfileScale(models.Model):
+    """How many replicas a model runs under one of its other profiles (not the default, whose
+    counts are the model's own), and that profile's observed demand.
+
+    A model runs under several profiles at once: clients ask for ``name@profile`` to be
+    served only by that profile's replicas. Without a row, another profile runs 0 to 1
+    replicas, started by demand.
+    """
+
+    model = models.ForeignKey(ServedModel, on_delete=models.CASCADE, related_name="scales")
+    profile = models.ForeignKey(Profile, on_delete=models.CASCADE, related_name="scales")
+    min_replicas = models.PositiveSmallIntegerField(default=0)
+    max_replicas = models.PositiveSmallIntegerField(default=1)
+    # Observed, as on the model: a request for name@profile found no ready replica, and when
+    # the last one was served (written by the gateway and the reconciler).
+    demand_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_request_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        verbose_name = "replicas under another profile"
+        verbose_name_plural = "replicas under other profiles"
+        constraints = [
+            models.UniqueConstraint(fields=["model", "profile"], name="profile_scale_one_row"),
+            models.CheckConstraint(
+                condition=models.Q(min_replicas__lte=models.F("max_replicas")),
+                name="profile_scale_min_within_max",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model.name}@{self.profile.name}"
+
+    def clean(self) -> None:
+        if self.model_id and self.profile_id and self.profile_id == self.model.default_profile_id:
+            raise ValidationError(
+                {"profile": "The default profile's replica counts are the model's own."}
+            )
+
+
 class Node(models.Model):
     """A registered agent and the machine it runs on.
 
@@ -167,6 +207,9 @@ class Node(models.Model):
     port_max = models.PositiveIntegerField(null=True, blank=True, editable=False)
     weights_report = models.JSONField(default=list, blank=True, editable=False)
     stale_desired_rejected = models.PositiveIntegerField(default=0, editable=False)
+    # The highest leader epoch the agent reported having seen (hello): the leader keeps its
+    # lease's epoch above it, or the agent would refuse its desired state.
+    agent_epoch = models.BigIntegerField(default=0, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:
@@ -252,7 +295,14 @@ class Replica(models.Model):
     epoch = models.BigIntegerField(default=0, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     ready_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # When the last request on it finished (reported by the gateway): idle time and eviction's
+    # least-recently-used order count from it.
     last_request_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Set when it is told to drain. While the gateway still has requests in flight on it (and
+    # the drain timeout has not passed) its agent is sent "running", not "drain": the engine
+    # is not asked to stop under a request its own metrics may not show.
+    draining_since = models.DateTimeField(null=True, blank=True, editable=False)
+    drain_held = models.BooleanField(default=False, editable=False)
 
     class Meta:
         ordering = ["model", "id"]
@@ -330,6 +380,35 @@ class Lease(models.Model):
     @property
     def expires_at(self) -> datetime:
         return datetime.fromtimestamp(self.expires_at_ms / 1000, tz=UTC)
+
+
+class GatewayCount(models.Model):
+    """What one web process holds now: requests in flight on a replica, or requests waiting
+    for a model to start. Written by ``control.gateway_counts`` only (when Redis is not set);
+    a process that stops confirming its rows (``seen_at``) has them ignored, then removed."""
+
+    class Kind(models.TextChoices):
+        IN_FLIGHT = "in_flight", "in flight on a replica"
+        WAITING = "waiting", "waiting for a model to start"
+
+    process = models.CharField(max_length=200)
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    # A replica's id (in flight) or a model's id (waiting): no foreign key, so a count never
+    # blocks deleting either, and a stale one is harmless.
+    subject_id = models.BigIntegerField()
+    count = models.PositiveIntegerField(default=0)
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["process", "kind", "subject_id"], name="gateway_count_one_row"
+            ),
+        ]
+        indexes = [models.Index(fields=["kind", "subject_id"], name="gateway_count_subject")]
+
+    def __str__(self) -> str:
+        return f"{self.process} {self.kind} #{self.subject_id}: {self.count}"
 
 
 class Event(models.Model):

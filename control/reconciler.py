@@ -24,12 +24,30 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
-from django.db.models import Exists, F, OuterRef
+from django.db.models import Exists, F, Max, OuterRef
 from django.utils import timezone
 
-from control import health, leases, lifecycle, nudges, placement, scaling, weights
+from control import (
+    gateway_counts,
+    health,
+    leases,
+    lifecycle,
+    nudges,
+    placement,
+    scaling,
+    weights,
+)
 from control.leases import Leadership, LeadershipLost
-from control.models import LIVE_SHARD_STATES, Event, Node, Replica, ServedModel, Shard
+from control.models import (
+    LIVE_SHARD_STATES,
+    Event,
+    Node,
+    Profile,
+    ProfileScale,
+    Replica,
+    ServedModel,
+    Shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +70,25 @@ class ShardView:
 class ReplicaView:
     id: int
     model_id: int
+    profile_id: int
     desired: str
     observed: str
     failures: int
     backoff_until: datetime | None
     last_request_at: datetime | None
     shards: list[ShardView] = field(default_factory=list)
+    profile_name: str = ""
+    # Requests the web processes have in flight on it (control.gateway_counts).
+    gateway_in_flight: int = 0
+    draining_since: datetime | None = None
+    drain_held: bool = False
+
+    @property
+    def in_flight(self) -> int:
+        """The gateway's count or the engines' own, whichever sees more: a request relayed by
+        the gateway is also running in the engine, so the two are not added up."""
+        engines = sum(s.requests_running for s in self.shards)
+        return max(self.gateway_in_flight, engines)
 
     def holds_resources(self) -> bool:
         if self.desired != Replica.Desired.STOPPED:
@@ -80,7 +111,9 @@ def read_snapshot(now: datetime) -> Snapshot:
     """Everything one tick decides on, in a handful of queries."""
     models = {
         m.pk: m
-        for m in ServedModel.objects.select_related("default_profile").prefetch_related("profiles")
+        for m in ServedModel.objects.select_related("default_profile").prefetch_related(
+            "profiles", "scales"
+        )
     }
     fleet = {n.pk: n for n in Node.objects.prefetch_related("gpus")}
     replicas: dict[int, ReplicaView] = {}
@@ -89,15 +122,22 @@ def read_snapshot(now: datetime) -> Snapshot:
     current = Replica.objects.exclude(desired=Replica.Desired.STOPPED) | Replica.objects.filter(
         Exists(live_shard)
     )
+    in_flight = gateway_counts.in_flight_by_replica()
+    profile_names = dict(Profile.objects.values_list("id", "name"))
     for replica in current.order_by("id"):
         replicas[replica.pk] = ReplicaView(
             replica.pk,
             replica.model_id,
+            replica.profile_id,
             replica.desired,
             replica.observed,
             replica.failures,
             replica.backoff_until,
             replica.last_request_at,
+            profile_name=profile_names.get(replica.profile_id, ""),
+            gateway_in_flight=in_flight.get(replica.pk, 0),
+            draining_since=replica.draining_since,
+            drain_held=replica.drain_held,
         )
     for shard in Shard.objects.filter(replica_id__in=list(replicas)).order_by("replica_id", "rank"):
         replicas[shard.replica_id].shards.append(
@@ -158,8 +198,9 @@ def capacity(snapshot: Snapshot, *, ignoring: Iterable[int] = ()) -> list[placem
     return fleet_of(snapshot).capacity(frozenset(ignoring))
 
 
-def replica_request(model: ServedModel) -> placement.ReplicaRequest:
-    profile = model.default_profile
+def replica_request(model: ServedModel, profile: Profile | None = None) -> placement.ReplicaRequest:
+    """What one replica of ``model`` under ``profile`` (default: its default profile) needs."""
+    profile = profile or model.default_profile
     return placement.ReplicaRequest(
         model=model.name,
         source=model.source,
@@ -171,16 +212,80 @@ def replica_request(model: ServedModel) -> placement.ReplicaRequest:
     )
 
 
-def demand_of(model: ServedModel) -> lifecycle.ModelDemand:
-    return lifecycle.ModelDemand(
-        enabled=model.enabled,
-        min_replicas=model.min_replicas,
-        max_replicas=model.max_replicas,
-        idle_timeout=timedelta(seconds=model.idle_timeout_s),
-        activation_timeout=timedelta(seconds=model.activation_timeout_s),
-        last_request_at=model.last_request_at,
-        demand_at=model.demand_at,
-    )
+@dataclass
+class ScaleUnit:
+    """One model under one profile, which scales as one: under its default profile with the
+    model's own counts and demand, under another with a ProfileScale row's (none yet: 0 to 1
+    replicas). Its ``key`` names it in scaling: ``model`` or ``model@profile``."""
+
+    model: ServedModel
+    profile: Profile
+    row: ProfileScale | None = None
+    retired: bool = False  # replicas of a profile the model no longer lists: none wanted
+
+    @property
+    def default(self) -> bool:
+        return self.profile.pk == self.model.default_profile_id
+
+    @property
+    def key(self) -> str:
+        return unit_key(self.model, self.profile)
+
+    def demand(self, uses: Iterable[lifecycle.ReplicaUse] = ()) -> lifecycle.ModelDemand:
+        """Its traffic: the last request (started, or finished on one of its replicas,
+        whichever is later) and what is in flight on its replicas now."""
+        model, row = self.model, self.row
+        uses = list(uses)
+        if self.default:
+            low, high, stamp, demand_at = (
+                model.min_replicas,
+                model.max_replicas,
+                model.last_request_at,
+                model.demand_at,
+            )
+        elif row is not None:
+            low, high, stamp, demand_at = (
+                row.min_replicas,
+                row.max_replicas,
+                row.last_request_at,
+                row.demand_at,
+            )
+        else:
+            low, high, stamp, demand_at = 0, 1, None, None
+        known = [s for s in (stamp, *(u.last_request_at for u in uses)) if s is not None]
+        return lifecycle.ModelDemand(
+            enabled=model.enabled and not self.retired,
+            min_replicas=low,
+            max_replicas=high,
+            idle_timeout=timedelta(seconds=model.idle_timeout_s),
+            activation_timeout=timedelta(seconds=model.activation_timeout_s),
+            last_request_at=max(known) if known else None,
+            demand_at=demand_at,
+            requests_in_flight=sum(u.in_flight for u in uses),
+        )
+
+
+def unit_key(model: ServedModel, profile: Profile) -> str:
+    if profile.pk == model.default_profile_id:
+        return model.name
+    return f"{model.name}@{profile.name}"
+
+
+def units_of(model: ServedModel) -> list[ScaleUnit]:
+    """The model under its default profile first, then under each other profile it lists."""
+    rows = {row.profile_id: row for row in model.scales.all()}
+    units = [ScaleUnit(model, model.default_profile)]
+    for profile in sorted(model.profiles.all(), key=lambda p: p.name):
+        if profile.pk != model.default_profile_id:
+            units.append(ScaleUnit(model, profile, rows.get(profile.pk)))
+    return units
+
+
+def demand_of(
+    model: ServedModel, uses: Iterable[lifecycle.ReplicaUse] = ()
+) -> lifecycle.ModelDemand:
+    """The model's traffic under its default profile (see :meth:`ScaleUnit.demand`)."""
+    return ScaleUnit(model, model.default_profile).demand(uses)
 
 
 # --------------------------------------------------------------------------- state changes
@@ -202,14 +307,19 @@ def _node_ids(replica_id: int) -> list[int]:
 
 
 def create_replica(
-    lead: Leadership, model: ServedModel, where: placement.Placement, reason: str
+    lead: Leadership,
+    model: ServedModel,
+    where: placement.Placement,
+    reason: str,
+    profile: Profile | None = None,
 ) -> int:
-    """Place a new replica of ``model``; raises LeadershipLost when the fence refuses it."""
+    """Place a new replica of ``model`` under ``profile`` (default: its default profile);
+    raises LeadershipLost when the fence refuses it."""
+    profile = profile or model.default_profile
     node_ids = {n.name: n.pk for n in Node.objects.filter(name__in=[s.node for s in where.shards])}
+    under = "" if profile.pk == model.default_profile_id else f" under profile {profile.name}"
     with leases.fenced(lead):
-        replica = Replica.objects.create(
-            model=model, profile=model.default_profile, epoch=lead.epoch
-        )
+        replica = Replica.objects.create(model=model, profile=profile, epoch=lead.epoch)
         Shard.objects.bulk_create(
             Shard(
                 replica=replica,
@@ -229,7 +339,7 @@ def create_replica(
             lead,
             Event.Kind.PLACEMENT,
             f"model/{model.name}",
-            f"placed replica #{replica.pk} ({reason}): {layout}",
+            f"placed replica #{replica.pk}{under} ({reason}): {layout}",
             replica=replica.pk,
         )
         _touch_nodes(node_ids.values())
@@ -258,9 +368,14 @@ def change_desired(
     why: str,
 ) -> bool:
     """Move a replica's desired state if it is still in one of ``from_states``."""
+    extra: dict[str, object] = {}
+    if to == Replica.Desired.DRAINING:
+        # Held back from the agent while the gateway has requests in flight on it.
+        busy = gateway_counts.in_flight_by_replica().get(replica_id, 0) > 0
+        extra = {"draining_since": timezone.now(), "drain_held": busy}
     with leases.fenced(lead):
         changed = Replica.objects.filter(pk=replica_id, desired__in=list(from_states)).update(
-            desired=to, epoch=lead.epoch
+            desired=to, epoch=lead.epoch, **extra
         )
         if changed:
             _event(
@@ -268,6 +383,24 @@ def change_desired(
                 Event.Kind.LIFECYCLE,
                 subject,
                 f"replica #{replica_id} → {to}: {why}",
+                replica=replica_id,
+            )
+            _touch_nodes(_node_ids(replica_id))
+    return bool(changed)
+
+
+def release_drain(lead: Leadership, replica_id: int, subject: str, why: str) -> bool:
+    """Let a held drain reach the agent: its engine now drains and stops."""
+    with leases.fenced(lead):
+        changed = Replica.objects.filter(
+            pk=replica_id, desired=Replica.Desired.DRAINING, drain_held=True
+        ).update(drain_held=False, epoch=lead.epoch)
+        if changed:
+            _event(
+                lead,
+                Event.Kind.LIFECYCLE,
+                subject,
+                f"replica #{replica_id} draining on its node: {why}",
                 replica=replica_id,
             )
             _touch_nodes(_node_ids(replica_id))
@@ -317,10 +450,26 @@ def restart_replica(lead: Leadership, replica: ReplicaView, subject: str) -> Non
 
 def satisfy_demand(lead: Leadership, model: ServedModel) -> None:
     """A ready replica answers the waiting requests: forget the demand, unless a newer one
-    arrived since the snapshot (the compare on ``demand_at`` keeps it)."""
+    arrived since the snapshot (the compare on ``demand_at`` keeps it). Their being served is
+    use: the idle timeout counts from now, not from when they arrived."""
+    now = timezone.now()
     with leases.fenced(lead):
-        ServedModel.objects.filter(pk=model.pk, demand_at=model.demand_at).update(demand_at=None)
+        ServedModel.objects.filter(pk=model.pk, demand_at=model.demand_at).update(
+            demand_at=None, last_request_at=now
+        )
     model.demand_at = None
+    model.last_request_at = now
+
+
+def satisfy_profile_demand(lead: Leadership, row: ProfileScale) -> None:
+    """As :func:`satisfy_demand`, for requests waiting for ``model@profile``."""
+    now = timezone.now()
+    with leases.fenced(lead):
+        ProfileScale.objects.filter(pk=row.pk, demand_at=row.demand_at).update(
+            demand_at=None, last_request_at=now
+        )
+    row.demand_at = None
+    row.last_request_at = now
 
 
 def reset_failures(lead: Leadership, replica: ReplicaView) -> None:
@@ -350,6 +499,7 @@ def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
     result = TickResult(acted=True, epoch=lead.epoch)
     _abandon_lost(lead, snapshot, result)
     _restart_failed(lead, snapshot, result)
+    _release_held_drains(lead, snapshot, result)
     _finish_drains(lead, snapshot, result)
     _scale_all(lead, snapshot, result)
     _settle_weight_removals(lead, snapshot, result)
@@ -412,6 +562,21 @@ def _restart_failed(lead: Leadership, snapshot: Snapshot, result: TickResult) ->
             result.changed += 1
 
 
+def _release_held_drains(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+    """A draining replica held for the gateway's requests in flight is let go to its agent
+    once they finished, or once the drain timeout passed."""
+    timeout = timedelta(seconds=float(settings.LLMGW_DRAIN_TIMEOUT))
+    for replica in snapshot.replicas:
+        if replica.desired != Replica.Desired.DRAINING or not replica.drain_held:
+            continue
+        began = replica.draining_since or snapshot.now
+        if replica.gateway_in_flight == 0 or snapshot.now >= began + timeout:
+            why = "no request in flight" if replica.gateway_in_flight == 0 else "drain timeout"
+            if release_drain(lead, replica.id, _subject(snapshot, replica), why):
+                replica.drain_held = False
+                result.changed += 1
+
+
 def _finish_drains(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
     """A draining replica whose shards all stopped is stopped."""
     for replica in snapshot.replicas:
@@ -435,13 +600,19 @@ def _leaving(snapshot: Snapshot, replica: ReplicaView) -> bool:
     return any(snapshot.nodes[s.node_id].schedule == Node.Schedule.DRAINING for s in replica.shards)
 
 
+def _unit_key_of(model: ServedModel, replica: ReplicaView) -> str:
+    if replica.profile_id == model.default_profile_id:
+        return model.name
+    return f"{model.name}@{replica.profile_name}"
+
+
 def _use(model: ServedModel, replica: ReplicaView) -> lifecycle.ReplicaUse:
     return lifecycle.ReplicaUse(
         replica_id=replica.id,
-        model=model.name,
+        model=_unit_key_of(model, replica),
         ready=replica.observed == Replica.Observed.READY,
         pinned=model.pinned,
-        in_flight=sum(s.requests_running for s in replica.shards),
+        in_flight=replica.in_flight,
         last_request_at=replica.last_request_at or model.last_request_at,
     )
 
@@ -466,15 +637,19 @@ class ScalingView:
             for r in snapshot.replicas
             if r.desired in (Replica.Desired.RUNNING, Replica.Desired.DRAINING)
         ]
-        minimum = {m.name: m.min_replicas for m in snapshot.models.values()}
+        minimum = {
+            unit.key: unit.demand().min_replicas
+            for m in snapshot.models.values()
+            for unit in units_of(m)
+        }
         return cls(fleet_of(snapshot), replicas, minimum)
 
     def record_placement(
-        self, model: ServedModel, replica_id: int, where: placement.Placement
+        self, unit: ScaleUnit, replica_id: int, where: placement.Placement
     ) -> None:
         self.fleet = self.fleet.holding(replica_id, where)
         use = lifecycle.ReplicaUse(
-            replica_id, model.name, False, model.pinned, 0, model.last_request_at
+            replica_id, unit.key, False, unit.model.pinned, 0, unit.model.last_request_at
         )
         self.replicas.append(scaling.ReplicaState(use, draining=False))
 
@@ -482,15 +657,28 @@ class ScalingView:
 def _scale_all(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
     view = ScalingView.of(snapshot)
     for model in snapshot.models.values():
-        _scale(lead, view, model, snapshot.now, result)
+        units = units_of(model)
+        # Replicas under a profile the model no longer lists are retired as a unit of their
+        # own (nothing wanted), so they drain once idle instead of running on for ever.
+        listed = {unit.profile.pk for unit in units}
+        gone = {r.profile_id for r in snapshot.replicas_of(model.pk)} - listed
+        units += [
+            ScaleUnit(model, profile, retired=True)
+            for profile in Profile.objects.filter(pk__in=gone).order_by("name")
+        ]
+        for unit in units:
+            _scale(lead, view, unit, snapshot.now, result)
 
 
 def _scale(
-    lead: Leadership, view: ScalingView, model: ServedModel, now: datetime, result: TickResult
+    lead: Leadership, view: ScalingView, unit: ScaleUnit, now: datetime, result: TickResult
 ) -> None:
-    """Carry out the scaling decision for one model, one state change per action, in order."""
+    """Carry out the scaling decision for one model under one profile, one state change per
+    action, in order."""
+    model = unit.model
+    mine = [r.use for r in view.replicas if r.use.model == unit.key and not r.draining]
     decision = scaling.scale(
-        scaling.ModelScale(model.name, demand_of(model), replica_request(model)),
+        scaling.ModelScale(unit.key, unit.demand(mine), replica_request(model, unit.profile)),
         view.replicas,
         view.fleet,
         min_replicas=view.min_replicas,
@@ -500,13 +688,17 @@ def _scale(
     for action in decision:
         match action:
             case scaling.SatisfyDemand():
-                satisfy_demand(lead, model)
+                if unit.default:
+                    satisfy_demand(lead, model)
+                elif unit.row is not None:
+                    satisfy_profile_demand(lead, unit.row)
             case scaling.Place(where, why):
-                replica_id = create_replica(lead, model, where, why)
-                view.record_placement(model, replica_id, where)
+                replica_id = create_replica(lead, model, where, why, unit.profile)
+                view.record_placement(unit, replica_id, where)
                 result.placed += 1
             case scaling.NoteUnplaceable(reason):
-                note_unplaceable(lead, model, reason)
+                note = reason if unit.default else f"under profile {unit.profile.name}: {reason}"
+                note_unplaceable(lead, model, note)
             case scaling.Drain(replica_id, owner, why):
                 if _retire(lead, replica_id, Replica.Desired.DRAINING, owner, why):
                     result.changed += 1
@@ -530,6 +722,11 @@ def _retire(lead: Leadership, replica_id: int, to: str, model: str, why: str) ->
 # --------------------------------------------------------------------------- running it
 
 
+def highest_agent_epoch() -> int:
+    """The highest leader epoch any agent reported having seen (0: none reported one)."""
+    return int(Node.objects.aggregate(highest=Max("agent_epoch"))["highest"] or 0)
+
+
 class Reconciler:
     """Keeps this process's claim between ticks and runs one tick at a time on this host."""
 
@@ -548,6 +745,7 @@ class Reconciler:
                 logger.debug("tick: follower (epoch %s)", self.leadership.epoch)
                 return TickResult(acted=False, epoch=self.leadership.epoch)
             try:
+                self.leadership = leases.advance_epoch(self.leadership, highest_agent_epoch())
                 result = tick(self.leadership)
                 logger.debug(
                     "tick: leader epoch %s, %s placed, %s changed, %.0f ms",

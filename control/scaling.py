@@ -146,8 +146,10 @@ def scale(
     actions: list[ScaleAction] = []
     demand = model.demand
     if demand.demand_at is not None and any(r.use.ready for r in mine):
+        # The waiting requests are being served from now: that is use, and the idle timeout
+        # counts from it (a cold start longer than the idle timeout must not end in a drain).
         actions.append(SatisfyDemand())
-        demand = replace(demand, demand_at=None)
+        demand = replace(demand, demand_at=None, last_request_at=now)
     wanted = wanted_replicas(demand, len(mine), now)
 
     placed = 0

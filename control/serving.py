@@ -2,8 +2,12 @@
 
 The gateway routes by a table it builds from :func:`routing_snapshot` (the catalog, and the
 replicas ready to take traffic with where they listen), and reports back what the reconciler
-acts on: :func:`record_demand` (a request found no ready replica: start one) and
-:func:`record_requests` (a model and a replica are in use: do not scale them down). It hears of
+acts on: :func:`record_demand` (a request found no ready replica: start one),
+:func:`record_requests` (a model is in use), :func:`record_finished` (when a replica last
+finished a request: idle time and least-recently-used order count from it) and
+:func:`report_in_flight` (what this process has in flight per replica: such a replica is not
+scaled down, evicted or drained from under it). Activation waiters are counted across
+processes through :func:`take_waiting_slot` / :func:`leave_waiting_slot`. It hears of
 changes to routing rows through :func:`on_routing_change`. Nothing here hands out a model
 instance, so the control plane may change its tables behind these functions.
 """
@@ -11,9 +15,9 @@ instance, so the control plane may change its tables behind these functions.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import current_app
@@ -22,13 +26,16 @@ from django.db.models import Q
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
-from control.models import Node, Profile, Replica, ServedModel, Shard
+from control import gateway_counts, leases
+from control.models import Node, Profile, ProfileScale, Replica, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
 
 # Demand and last-request stamps are precise to this many seconds: a stamp younger than this is
 # left alone, so web processes do not pile up writes (and each coalesces its own to this rate).
 STAMP_EVERY_S = 5.0
+# A web process reports what it has in flight at least this often (its heartbeat).
+CONFIRM_EVERY_S = gateway_counts.CONFIRM_EVERY_S
 # The reconcile tick's Celery name (``control.tasks``), sent by name so that asking for a tick
 # does not import the reconciler into the web process.
 RECONCILE_TASK = "control.tasks.reconcile"
@@ -48,6 +55,7 @@ class CatalogEntry:
     first_byte_timeout_s: float | None
     stream_idle_timeout_s: float | None
     profiles: frozenset[str]  # the profiles it may run under, its default included
+    default_profile: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,7 @@ def routing_snapshot() -> RoutingSnapshot:
             first_byte_timeout_s=row["first_byte_timeout_s"],
             stream_idle_timeout_s=row["stream_idle_timeout_s"],
             profiles=frozenset(profiles.get(row["id"], ())),
+            default_profile=profile_names.get(row["default_profile_id"], ""),
         )
         for row in rows
     ]
@@ -186,6 +195,34 @@ def record_demand(model_ids: Collection[int]) -> None:
         request_tick()
 
 
+def record_profile_demand(wanted: Collection[tuple[int, str]]) -> None:
+    """Requests for ``model@profile`` (model id, profile name; not the default profile) found
+    no ready replica of that profile: the reconciler places one under it. Conditional like
+    :func:`record_demand`; the profile's row is made on first demand (0 to 1 replicas)."""
+    now = timezone.now()
+    fresh = now - timedelta(seconds=STAMP_EVERY_S)
+    recorded = 0
+    for model_id, profile_name in wanted:
+        model = ServedModel.objects.filter(pk=model_id).values("default_profile_id").first()
+        profile_id = (
+            ServedModel.profiles.through.objects.filter(
+                servedmodel_id=model_id, profile__name=profile_name
+            )
+            .values_list("profile_id", flat=True)
+            .first()
+        )
+        if model is None or profile_id is None or profile_id == model["default_profile_id"]:
+            continue
+        scale, _ = ProfileScale.objects.get_or_create(model_id=model_id, profile_id=profile_id)
+        recorded += (
+            ProfileScale.objects.filter(pk=scale.pk)
+            .filter(Q(demand_at__isnull=True) | Q(demand_at__lt=fresh))
+            .update(demand_at=now)
+        )
+    if recorded:
+        request_tick()
+
+
 def record_requests(model_ids: Collection[int], replica_ids: Collection[int]) -> None:
     """These models and replicas served requests just now (idle scale-down counts from the
     last one). Conditional updates, like :func:`record_demand`."""
@@ -196,6 +233,35 @@ def record_requests(model_ids: Collection[int], replica_ids: Collection[int]) ->
         ServedModel.objects.filter(pk__in=model_ids).filter(stale).update(last_request_at=now)
     if replica_ids:
         Replica.objects.filter(pk__in=replica_ids).filter(stale).update(last_request_at=now)
+
+
+def record_finished(finished: Mapping[int, datetime]) -> None:
+    """Replicas finished a request at these times: their ``last_request_at`` moves up to it
+    (never back), so idle scale-down and eviction count from the end of the last request."""
+    for replica_id, at in finished.items():
+        Replica.objects.filter(pk=replica_id).filter(
+            Q(last_request_at__isnull=True) | Q(last_request_at__lt=at)
+        ).update(last_request_at=at)
+
+
+def process_id() -> str:
+    """This web process's id in shared counts: random, made after fork."""
+    return leases.owner_id()
+
+
+def report_in_flight(in_flight: Mapping[int, int]) -> None:
+    """This process's requests in flight per replica (all of them; coalesced by the caller)."""
+    gateway_counts.report_in_flight(process_id(), in_flight)
+
+
+def take_waiting_slot(model_id: int, limit: int) -> bool:
+    """Room for one more request waiting for ``model_id`` to start, counted over every web
+    process (``max_waiting`` is per model, not per process)? Takes it if so."""
+    return gateway_counts.take_waiting_slot(process_id(), model_id, limit)
+
+
+def leave_waiting_slot(model_id: int) -> None:
+    gateway_counts.leave_waiting_slot(process_id(), model_id)
 
 
 def request_tick() -> None:

@@ -26,6 +26,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from django.conf import settings
+from django.db import DatabaseError
+from redis.exceptions import RedisError
 
 from gateway import limits, payload, responses, routing
 from gateway.drain import drain
@@ -248,10 +250,16 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
 # --- activation -----------------------------------------------------------------------------
 
 
-def _activation_slot(ex: Exchange, route: routing.Route) -> int:
+async def _activation_slot(ex: Exchange, route: routing.Route) -> int:
+    """A place in the model's queue of waiters, counted across every web process."""
     assert route.catalog_id is not None
-    waiting = upstreams.waiting.get(route.catalog_id, 0)
-    if waiting >= route.max_waiting:
+    try:
+        taken = await upstreams.take_waiting_slot(route.catalog_id, route.max_waiting)
+    except (DatabaseError, RedisError):
+        raise ApiError(
+            503, "The gateway cannot queue requests right now.", "queue_unavailable", retry_after=5
+        ) from None
+    if not taken:
         metrics.observe_activation_wait(route.name, 0.0, "rejected")
         raise ApiError(
             429,
@@ -259,17 +267,8 @@ def _activation_slot(ex: Exchange, route: routing.Route) -> int:
             "model_activation_queue_full",
             retry_after=5,
         )
-    upstreams.waiting[route.catalog_id] = waiting + 1
     upstreams.note_demand(route)
     return route.catalog_id
-
-
-def _leave_activation(catalog_id: int) -> None:
-    left = upstreams.waiting.get(catalog_id, 1) - 1
-    if left <= 0:
-        upstreams.waiting.pop(catalog_id, None)
-    else:
-        upstreams.waiting[catalog_id] = left
 
 
 async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[routing.Route | None]:
@@ -277,7 +276,7 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
     upstream. Raises 503 with Retry-After when the model's activation timeout passes."""
     if route.catalog_id is None:
         raise ApiError(503, f"No upstream serves '{route.name}' now.", "no_upstream", retry_after=5)
-    catalog_id = _activation_slot(ex, route)
+    catalog_id = await _activation_slot(ex, route)
     assert ex.body is not None
     began = time.monotonic()
     deadline = began + route.activation_timeout_s
@@ -286,7 +285,9 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
     outcome = "disconnected"  # unless the loop below says otherwise
     try:
         while True:
-            current = upstreams.table.resolve(ex.body.model)
+            # The route asked for, profile included (the body now names the model only).
+            wanted = f"{route.name}@{route.profile}" if route.profile else ex.body.model
+            current = upstreams.table.resolve(wanted)
             if current is not None and current.upstreams:
                 outcome = "ready"
                 yield current
@@ -308,7 +309,7 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
             with metrics.waiting_for_activation(route.name):
                 await upstreams.changed(min(deadline, next_keepalive) - now)
     finally:
-        _leave_activation(catalog_id)
+        upstreams.leave_waiting_slot(catalog_id)
         metrics.observe_activation_wait(route.name, time.monotonic() - began, outcome)
 
 

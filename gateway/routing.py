@@ -33,6 +33,7 @@ class CatalogRow:
     connect_timeout_s: float | None = None
     first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
+    default_profile: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class Route:
     name: str  # the canonical model name
     catalog_id: int | None  # None: served only by static endpoints (no activation)
     upstreams: tuple[Upstream, ...]
+    # The profile asked for with ``name@profile``: only its replicas serve. None: the plain
+    # name (the default profile's replicas first, the others while it has none).
+    profile: str | None = None
+    # Demand for this route starts a replica under the model's default profile (the plain
+    # name, or ``name@default``); otherwise under ``profile``.
+    default_profile: bool = True
     activation_timeout_s: float = 600.0
     max_waiting: int = 100
     connect_timeout_s: float | None = None
@@ -107,20 +114,26 @@ class Table:
         if canonical is None:
             return None
         entry = self.entries[canonical]
+        catalog = entry.catalog
+        default = catalog.default_profile if catalog is not None else ""
         if profile is not None:
             if profile not in entry.by_profile:
                 return None
             upstreams = entry.by_profile.get(profile, ())
         else:
-            upstreams = tuple(u for ups in entry.by_profile.values() for u in ups)
+            # The default profile's replicas first; the others only while it has none.
+            upstreams = entry.by_profile.get(default, ()) if default else ()
+            if not upstreams:
+                upstreams = tuple(u for ups in entry.by_profile.values() for u in ups)
             upstreams += entry.endpoints
-        catalog = entry.catalog
         if catalog is None:
             return Route(canonical, None, upstreams)
         return Route(
             canonical,
             catalog.id,
             upstreams,
+            profile=profile,
+            default_profile=profile is None or profile == default,
             activation_timeout_s=catalog.activation_timeout_s,
             max_waiting=catalog.max_waiting,
             connect_timeout_s=catalog.connect_timeout_s,

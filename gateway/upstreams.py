@@ -6,7 +6,10 @@ once when this process saves a routing row (Django signals), and four times as o
 request waits for a cold model. Other processes see a change within one refresh interval.
 
 Outstanding-request counts and ejections are per process: each web process balances the
-requests it holds, which is what least-outstanding needs, without shared state.
+requests it holds, which is what least-outstanding needs, without shared state. What the
+control plane needs of them is reported off the request path by the same background task:
+requests in flight per replica (whenever the set of busy replicas changes, and as a heartbeat)
+and when each replica last finished one, so a replica is never scaled down under a request.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ import contextlib
 import gc
 import itertools
 import logging
+import math
 import time
+from datetime import datetime
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError
 from django.db.models.signals import post_delete, post_save
+from django.utils import timezone
 
 from control import serving
 from gateway import dbthread, routing
@@ -48,6 +54,7 @@ def load_table(version: int = 0) -> routing.Table:
             connect_timeout_s=entry.connect_timeout_s,
             first_byte_timeout_s=entry.first_byte_timeout_s,
             stream_idle_timeout_s=entry.stream_idle_timeout_s,
+            default_profile=entry.default_profile,
         )
         for entry in snapshot.models
     ]
@@ -88,9 +95,14 @@ class Upstreams:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._first_load: asyncio.Future[None] | None = None
-        self._stamped: dict[tuple[str, int], float] = {}
+        self._stamped: dict[tuple[object, ...], float] = {}
         self._pending_last_request: set[tuple[str, int]] = set()
         self._pending_demand: set[int] = set()
+        self._pending_profile_demand: set[tuple[int, str]] = set()
+        self._finished: dict[int, datetime] = {}
+        self._reported_busy: frozenset[int] | None = None
+        self._reported_at = -math.inf
+        self._background: set[asyncio.Task[Any]] = set()
         self._versions = itertools.count(1)
         self._refreshed: asyncio.Event | None = None
 
@@ -144,6 +156,7 @@ class Upstreams:
             try:
                 await self.refresh()
                 await self._write_stamps()
+                await self._report_in_flight()
             except DatabaseError as exc:
                 # Keep routing on the last table; the store may come back.
                 logger.warning("routing table refresh failed: %s", exc)
@@ -186,7 +199,11 @@ class Upstreams:
         )
 
     def acquire(self, upstream: routing.Upstream) -> None:
-        self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
+        count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
+        if count == 1 and upstream.id.startswith("replica:"):
+            # A replica going busy is reported at once, not at the next refresh: until then
+            # the reconciler could take it for idle.
+            self.request_refresh()
 
     def release(self, upstream: routing.Upstream) -> None:
         left = self.outstanding.get(upstream.id, 1) - 1
@@ -194,6 +211,19 @@ class Upstreams:
             self.outstanding.pop(upstream.id, None)
         else:
             self.outstanding[upstream.id] = left
+        if upstream.id.startswith("replica:"):
+            self._finished[int(upstream.id[8:])] = timezone.now()
+        if left <= 0:
+            # A replica going idle is worth reporting soon: it may now be scaled down.
+            self.request_refresh()
+
+    def busy_replicas(self) -> dict[int, int]:
+        """Requests this process has in flight, per replica."""
+        return {
+            int(uid[8:]): n
+            for uid, n in self.outstanding.items()
+            if uid.startswith("replica:") and n > 0
+        }
 
     def eject(self, upstream: routing.Upstream, seconds: float | None = None) -> None:
         cool_down = float(settings.LLMGW_EJECT_SECONDS) if seconds is None else seconds
@@ -203,7 +233,9 @@ class Upstreams:
     # --- stamps for the reconciler (coalesced, written by the refresh task) ---------------
 
     def note_request(self, route: routing.Route, upstream: routing.Upstream | None) -> None:
-        if route.catalog_id is not None:
+        # A request for model@profile is use of that profile's replicas, told through their
+        # finish times and in-flight counts; the model's own stamp is its default profile's.
+        if route.catalog_id is not None and route.default_profile:
             self._pending_last_request.add(("model", route.catalog_id))
         if upstream is not None and upstream.id.startswith("replica:"):
             self._pending_last_request.add(("replica", int(upstream.id[8:])))
@@ -212,20 +244,74 @@ class Upstreams:
         """A request found no ready replica; the reconciler places one on its next tick."""
         if route.catalog_id is None:
             return
-        self._pending_demand.add(route.catalog_id)
+        if route.default_profile or route.profile is None:
+            self._pending_demand.add(route.catalog_id)
+        else:
+            self._pending_profile_demand.add((route.catalog_id, route.profile))
         # Demand is what starts a cold model: write it now, not at the next refresh.
         self.request_refresh()
 
     async def _write_stamps(self) -> None:
         now = time.monotonic()
         due_demand = {m for m in self._pending_demand if self._due(("demand", m), now)}
+        due_profiles = {
+            (m, p) for m, p in self._pending_profile_demand if self._due(("demand", m, p), now)
+        }
+        self._pending_profile_demand -= due_profiles
         due_last = {k for k in self._pending_last_request if self._due(k, now)}
+        due_finished = {
+            r: at for r, at in self._finished.items() if self._due(("finished", r), now)
+        }
         self._pending_demand -= due_demand
         self._pending_last_request -= due_last
-        if due_demand or due_last:
-            await sync_to_async(write_stamps)(due_demand, due_last)
+        for replica_id in due_finished:
+            del self._finished[replica_id]
+        if due_demand or due_last or due_finished or due_profiles:
+            await sync_to_async(write_stamps)(due_demand, due_last, due_finished, due_profiles)
 
-    def _due(self, key: tuple[str, int], now: float) -> bool:
+    async def _report_in_flight(self) -> None:
+        """Tell the control plane what is in flight here, when the set of busy replicas
+        changed and at least every ``CONFIRM_EVERY_S`` (the heartbeat that keeps these
+        counts, and this process's activation waiters, from going stale)."""
+        busy = self.busy_replicas()
+        now = time.monotonic()
+        if (
+            frozenset(busy) == self._reported_busy
+            and now - self._reported_at < serving.CONFIRM_EVERY_S
+        ):
+            return
+        await sync_to_async(serving.report_in_flight)(busy)
+        self._reported_busy = frozenset(busy)
+        self._reported_at = now
+
+    # --- activation waiters, counted across processes -------------------------------------
+
+    async def take_waiting_slot(self, catalog_id: int, limit: int) -> bool:
+        """Room for one more request waiting for this model, across every web process?"""
+        if not await sync_to_async(serving.take_waiting_slot)(catalog_id, limit):
+            return False
+        self.waiting[catalog_id] = self.waiting.get(catalog_id, 0) + 1
+        return True
+
+    def leave_waiting_slot(self, catalog_id: int) -> None:
+        """Give the slot back, off the caller's path (it may be a cancelled request)."""
+        left = self.waiting.get(catalog_id, 1) - 1
+        if left <= 0:
+            self.waiting.pop(catalog_id, None)
+        else:
+            self.waiting[catalog_id] = left
+        task = asyncio.get_running_loop().create_task(self._leave(catalog_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _leave(self, catalog_id: int) -> None:
+        try:
+            await sync_to_async(serving.leave_waiting_slot)(catalog_id)
+        except Exception as exc:
+            # The slot's row goes stale with this process's next missed heartbeat at worst.
+            logger.warning("could not give back a waiting slot: %s", type(exc).__name__)
+
+    def _due(self, key: tuple[object, ...], now: float) -> bool:
         # The control plane keeps stamps to this precision; writing more often is wasted.
         every = serving.STAMP_EVERY_S
         if now - self._stamped.get(key, -every) < every:
@@ -234,14 +320,23 @@ class Upstreams:
         return True
 
 
-def write_stamps(demand: set[int], last_request: set[tuple[str, int]]) -> None:
+def write_stamps(
+    demand: set[int],
+    last_request: set[tuple[str, int]],
+    finished: dict[int, datetime] | None = None,
+    profile_demand: set[tuple[int, str]] | None = None,
+) -> None:
     """Report demand and last requests to the control plane (which writes them only where its
     stamp is older than ``serving.STAMP_EVERY_S``, so processes do not pile up writes)."""
     serving.record_demand(demand)
+    if profile_demand:
+        serving.record_profile_demand(profile_demand)
     serving.record_requests(
         [i for kind, i in last_request if kind == "model"],
         [i for kind, i in last_request if kind == "replica"],
     )
+    if finished:
+        serving.record_finished(finished)
 
 
 upstreams = Upstreams()

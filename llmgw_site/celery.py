@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from kombu.transport import TRANSPORT_ALIASES
+
+from llmgw_site import broker
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
+# The embedded default's broker (settings: CELERY_BROKER_URL): kombu's filesystem transport
+# with atomic writes, so the worker never reads half a message.
+TRANSPORT_ALIASES.setdefault(broker.ALIAS, "llmgw_site.broker:Transport")
 
 app = Celery("llmgw")
 app.config_from_object("django.conf:settings", namespace="CELERY")

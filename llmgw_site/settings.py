@@ -176,7 +176,9 @@ _broker_dir = VAR_DIR / "broker"
 if not REDIS_URL:
     for _folder in ("processed", "bindings"):
         (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
-CELERY_BROKER_URL = REDIS_URL or "filesystem://localhost/"
+# Without Redis: kombu's filesystem transport made atomic (llmgw_site.broker), which
+# llmgw_site.celery registers under this scheme.
+CELERY_BROKER_URL = REDIS_URL or "llmgwfs://localhost/"
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = (
     {}
     if REDIS_URL
@@ -207,8 +209,14 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # --- llmgw's own knobs ------------------------------------------------------------------------
 
-# Leader election off (the single-control-plane default) means this process leads.
-LLMGW_LEADER_ELECTION: bool = _read(env_bool, "LLMGW_LEADER_ELECTION", False)
+# Every control plane competes for the leadership lease, always: there is always a store, so
+# there may always be another control plane on it. Nothing turns that off; a leftover
+# "off" is refused rather than ignored, so nobody believes they run without the lease.
+if not _read(env_bool, "LLMGW_LEADER_ELECTION", True):
+    _errors.append(
+        "LLMGW_LEADER_ELECTION cannot be turned off: every control plane competes for the "
+        "leadership lease (a single one simply holds it); remove the variable"
+    )
 LLMGW_LEASE_TTL: float = _read(env_float, "LLMGW_LEASE_TTL", 10.0, minimum=1.0)
 # The holder stops acting this long after it *sent* its last confirmed renew, well before the
 # row can expire for anybody else (the Kubernetes "renew deadline" idea).
@@ -221,7 +229,6 @@ LLMGW_BACKOFF_MAX: float = _read(env_float, "LLMGW_BACKOFF_MAX", 300.0, minimum=
 LLMGW_UNREACHABLE_AFTER: float = _read(env_float, "LLMGW_UNREACHABLE_AFTER", 15.0, minimum=1.0)
 LLMGW_LOST_AFTER: float = _read(env_float, "LLMGW_LOST_AFTER", 60.0, minimum=1.0)
 LLMGW_PORT_RANGE: tuple[int, int] = _read(env_port_range, "LLMGW_PORT_RANGE", (20000, 20999))
-LLMGW_MANAGEMENT_INTERFACE: str = env_str(ENV, "LLMGW_MANAGEMENT_INTERFACE", "")
 # Agent streams: how often agents beat (sent to them in the welcome), how often a stream
 # re-sends the full desired state in case a nudge was lost, and how long a drain may wait
 # for in-flight requests before the engine is stopped.

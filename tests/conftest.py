@@ -105,8 +105,7 @@ def fake_clock() -> FakeClock:
 
 @pytest.fixture
 def election_on(settings: Any) -> Any:
-    """Leader election on, as with two control planes on one store."""
-    settings.LLMGW_LEADER_ELECTION = True
+    """Lease timings for tests that race for it (every control plane competes, always)."""
     settings.LLMGW_LEASE_TTL = 10.0
     settings.LLMGW_LEASE_RENEW_DEADLINE = 6.0
     return settings

@@ -60,10 +60,6 @@
 
   function renderLease(lease) {
     const box = $("lg-lease");
-    if (!lease.election) {
-      box.replaceChildren(node("span", { class: "lg-badge lg-state-ready" }, "election off"), " this control plane leads (single control plane)");
-      return;
-    }
     if (!lease.held) {
       box.replaceChildren(
         node("span", { class: "lg-badge lg-state-lost" }, "no leader"),

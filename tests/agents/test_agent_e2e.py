@@ -50,7 +50,6 @@ WEB_SETTINGS = {
     # Long, so every prompt delivery below is a nudge's doing, not a resync's.
     "LLMGW_AGENT_RESYNC_INTERVAL": "60",
     "LLMGW_DRAIN_TIMEOUT": "20",
-    "LLMGW_LEADER_ELECTION": "true",
     "LLMGW_LOG_LEVEL": "INFO",
 }
 
@@ -90,7 +89,6 @@ def fleet(cluster: Cluster, settings: Any) -> Cluster:
     }
     settings.LLMGW_UNREACHABLE_AFTER = UNREACHABLE_AFTER
     settings.LLMGW_LOST_AFTER = LOST_AFTER
-    settings.LLMGW_LEADER_ELECTION = True
     reset(cluster)
     return cluster
 

@@ -13,7 +13,6 @@ from typing import Any
 
 def setup_django(database_url: str) -> None:
     os.environ["DATABASE_URL"] = database_url
-    os.environ["LLMGW_LEADER_ELECTION"] = "true"
     os.environ.setdefault("SECRET_KEY", "llmgw-checks-only-not-a-secret")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
     import django

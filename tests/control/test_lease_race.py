@@ -59,7 +59,6 @@ def test_l1_racers_on_an_empty_lease_have_exactly_one_winner_per_round(racers: i
 
 
 def test_l8_a_racer_with_skewed_clocks_never_makes_two_leaders_of_one_epoch(settings: Any) -> None:
-    settings.LLMGW_LEADER_ELECTION = True
     spawn = multiprocessing.get_context("spawn")
     start = spawn.Barrier(4)
     results = spawn.Queue()

@@ -6,6 +6,9 @@ database's clock, and the holder's own deadline runs on an injected clock.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -13,8 +16,9 @@ import pytest
 from django.db import connection
 
 from control import leases
-from control.models import Event, Lease
+from control.models import Event
 from tests.harness.clock import FakeClock
+from tests.harness.procs import REPO_ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
 
@@ -207,14 +211,71 @@ def test_a_takeover_waits_for_the_fenced_block_in_flight() -> None:
     assert Event.objects.filter(message="in flight").count() == 1
 
 
-def test_leader_election_off_means_leader(settings: Any) -> None:
-    settings.LLMGW_LEADER_ELECTION = False
+def test_a_restarted_control_plane_takes_a_released_lease_at_once() -> None:
+    """A clean stop released it: the new process (a new owner id) leads on its first claim,
+    with the next epoch, without waiting out the TTL."""
+    before = leases.claim(owner="host:1:old", ttl=60)
+    assert leases.release(before)
+    after = leases.claim(owner="host:2:new", ttl=60)
+    assert after.is_leader and after.epoch == before.epoch + 1
+
+
+def test_a_single_control_plane_with_default_settings_holds_the_lease() -> None:
     result = leases.claim()
     assert result.is_leader and result.may_act()
     with leases.fenced(result):
         write_event("single control plane")
+    view = leases.read()
+    assert view is not None and view.owner == leases.owner_id() and view.epoch == 1
     assert Event.objects.count() == 1
-    assert not Lease.objects.exists()
+
+
+def test_advance_moves_a_lower_epoch_above_the_one_an_agent_saw() -> None:
+    lead = leases.claim(owner="a", ttl=60)
+    moved = leases.advance_epoch(lead, 12)
+    assert moved.is_leader and moved.epoch == 13
+    view = leases.read()
+    assert view is not None and (view.owner, view.epoch) == ("a", 13)
+    with leases.fenced(moved):
+        write_event("at the new epoch")
+    assert Event.objects.count() == 1
+    # The old epoch's writes are fenced out: this process now acts as epoch 13 only.
+    with pytest.raises(leases.LeadershipLost), leases.fenced(lead):
+        write_event("stale")
+    renewed = leases.claim(owner="a", previous=moved, ttl=60)
+    assert renewed.epoch == 13
+
+
+def test_advance_leaves_an_epoch_at_or_above_the_agents_alone() -> None:
+    lead = leases.claim(owner="a", ttl=60)
+    assert leases.advance_epoch(lead, 1) == lead
+    assert leases.advance_epoch(lead, 0) == lead
+    view = leases.read()
+    assert view is not None and view.epoch == 1
+
+
+def test_advance_by_a_deposed_owner_changes_nothing() -> None:
+    old = leases.claim(owner="a", ttl=0)
+    leases.claim(owner="b", ttl=60)
+    result = leases.advance_epoch(old, 12)
+    assert not result.is_leader
+    view = leases.read()
+    assert view is not None and (view.owner, view.epoch) == ("b", 2)
+
+
+def test_leader_election_cannot_be_turned_off() -> None:
+    env = {**os.environ, "LLMGW_LEADER_ELECTION": "false", "SECRET_KEY": "x" * 50}
+    done = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=REPO_ROOT,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "LLMGW_LEADER_ELECTION cannot be turned off" in done.stderr
 
 
 def test_owner_id_is_stable_within_a_process_and_random() -> None:

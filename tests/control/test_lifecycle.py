@@ -108,3 +108,22 @@ def test_eviction_skips_pinned_serving_and_own_replicas_and_orders_by_last_use()
         use(6, model="e"),
     ]
     assert [r.replica_id for r in eviction_candidates(replicas, "target")] == [6, 5, 1]
+
+
+def test_a_request_in_flight_keeps_a_model_busy_past_its_idle_timeout() -> None:
+    """Idle counts from the end of the last request: a generation longer than the idle
+    timeout keeps its replicas."""
+    long_ago = NOW - timedelta(minutes=16)
+    streaming = demand(last_request_at=long_ago, requests_in_flight=1)
+    assert wanted_replicas(streaming, active=2, now=NOW) == 2
+    assert wanted_replicas(demand(last_request_at=long_ago), active=2, now=NOW) == 0
+
+
+def test_scale_down_never_picks_a_replica_with_a_request_in_flight() -> None:
+    replicas = [
+        use(1, last_request_at=NOW - timedelta(hours=1), in_flight=1),
+        use(2, last_request_at=NOW - timedelta(minutes=1)),
+        use(3, ready=False, in_flight=2),
+    ]
+    assert [r.replica_id for r in surplus_to_stop(replicas, wanted=1)] == [2]
+    assert [r.replica_id for r in surplus_to_stop(replicas, wanted=0)] == [2]

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from control import leases, reconciler
-from control.models import Event, Node, Replica, ServedModel, Shard
-from tests.harness.factories import gib, make_model, make_node
+from control import gateway_counts, leases, reconciler, serving
+from control.desired_state import build_desired_state
+from control.models import Event, Node, ProfileScale, Replica, ServedModel, Shard
+from tests.harness.factories import gib, make_model, make_node, make_profile
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
 
@@ -232,6 +233,119 @@ def test_pinned_replicas_and_replicas_serving_requests_are_not_evicted(
     assert hot.placement_note.startswith("needs 1 GPU on one node")
 
 
+def test_a_replica_with_a_request_in_flight_at_the_gateway_is_not_scaled_down(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80))
+    now = timezone.now()
+    model = make_model("m", idle_timeout_s=60, demand_at=now, last_request_at=now)
+    run_tick(lead, now)
+    (replica,) = running(model)
+    set_observed(replica, Replica.Observed.READY)
+    gateway_counts.report_in_flight("web-1", {replica.pk: 1})  # a long stream, still going
+
+    later = now + timedelta(minutes=10)
+    run_tick(lead, later)
+    assert running(model) == [replica], "never scaled down under a request"
+
+    gateway_counts.report_in_flight("web-1", {})  # it finished...
+    serving.record_finished({replica.pk: later})
+    run_tick(lead, later + timedelta(seconds=30))
+    assert running(model) == [replica], "...and idle time counts from its end"
+    run_tick(lead, later + timedelta(seconds=61))
+    assert running(model) == []
+    replica.refresh_from_db()
+    assert replica.desired == Replica.Desired.DRAINING and not replica.drain_held
+
+
+def test_eviction_takes_the_replica_whose_last_request_finished_longest_ago(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80, 80))
+    now = timezone.now()
+    first = make_model("first", idle_timeout_s=3600, demand_at=now, last_request_at=now)
+    second = make_model("second", idle_timeout_s=3600, demand_at=now, last_request_at=now)
+    run_tick(lead, now)
+    (older_id,) = [r.pk for r in running(first)]
+    (newer_id,) = [r.pk for r in running(second)]
+    for replica in [*running(first), *running(second)]:
+        set_observed(replica, Replica.Observed.READY)
+    # The replica created first was used last: least recently used is the other one, not the
+    # lower id.
+    serving.record_finished({older_id: now, newer_id: now - timedelta(minutes=5)})
+
+    make_model("hot", demand_at=now)
+    run_tick(lead, now)
+    drained = set(
+        Replica.objects.filter(desired=Replica.Desired.DRAINING).values_list("pk", flat=True)
+    )
+    assert drained == {newer_id}
+
+
+def test_a_drain_waits_for_the_gateways_requests_before_reaching_the_agent(
+    lead: leases.Leadership, settings: Any
+) -> None:
+    settings.LLMGW_DRAIN_TIMEOUT = 60.0
+    a = make_node("a", gpus=gib(80))
+    make_node("b", gpus=gib(80))
+    model = make_model("m", min_replicas=1, idle_timeout_s=3600)
+    Node.objects.filter(name="b").update(schedule=Node.Schedule.CORDONED)
+    run_tick(lead)
+    (old,) = running(model)
+    set_observed(old, Replica.Observed.READY)
+    gateway_counts.report_in_flight("web-1", {old.pk: 2})
+    Node.objects.filter(name="b").update(schedule=Node.Schedule.ACTIVE)
+    Node.objects.filter(pk=a.pk).update(schedule=Node.Schedule.DRAINING)
+    run_tick(lead)
+    set_observed(model.replicas.exclude(pk=old.pk).get(), Replica.Observed.READY)
+    run_tick(lead)
+    old.refresh_from_db()
+    assert old.desired == Replica.Desired.DRAINING and old.drain_held
+
+    def sent_to_a() -> str:
+        (shard,) = [s for s in build_desired_state(a.pk).shards if s.replica_id == old.pk]
+        return str(shard.state)
+
+    assert sent_to_a() == "running", "its agent keeps it serving the requests in flight"
+    run_tick(lead)
+    assert sent_to_a() == "running"
+
+    gateway_counts.report_in_flight("web-1", {})
+    revision = Node.objects.get(pk=a.pk).desired_revision
+    run_tick(lead)
+    assert sent_to_a() == "draining"
+    assert Node.objects.get(pk=a.pk).desired_revision > revision, "its agent hears at once"
+
+
+def test_a_held_drain_is_let_go_after_the_drain_timeout(
+    lead: leases.Leadership, settings: Any
+) -> None:
+    settings.LLMGW_DRAIN_TIMEOUT = 5.0
+    make_node("a", gpus=gib(80))
+    now = timezone.now()
+    model = make_model("m", min_replicas=1, idle_timeout_s=3600)
+    run_tick(lead, now)
+    (replica,) = running(model)
+    set_observed(replica, Replica.Observed.READY)
+    gateway_counts.report_in_flight("web-1", {replica.pk: 1})
+    ServedModel.objects.filter(pk=model.pk).update(enabled=False, min_replicas=0)
+    run_tick(lead, now)
+    assert running(model) == [replica], "disabled, but a request is in flight"
+    reconciler.change_desired(
+        lead,
+        replica.pk,
+        from_states=[Replica.Desired.RUNNING],
+        to=Replica.Desired.DRAINING,
+        subject="model/m",
+        why="test",
+    )
+    replica.refresh_from_db()
+    assert replica.drain_held
+    run_tick(lead, timezone.now() + timedelta(seconds=6))
+    replica.refresh_from_db()
+    assert not replica.drain_held
+
+
 def test_a_deposed_leaders_tick_writes_nothing() -> None:
     make_node("a", gpus=gib(80))
     make_model("m", min_replicas=1)
@@ -258,12 +372,31 @@ def test_run_once_acts_only_while_leading(settings: Any) -> None:
     assert view is not None and not view.held, "shutdown released the lease"
 
 
-def test_with_leader_election_off_the_tick_needs_no_lease(settings: Any) -> None:
-    settings.LLMGW_LEADER_ELECTION = False
+def test_a_clean_stop_hands_the_lease_to_the_next_control_plane_at_once() -> None:
     make_node("a", gpus=gib(80))
     model = make_model("m", min_replicas=1)
-    assert reconciler.Reconciler().run_once().placed == 1
+    first = reconciler.Reconciler()
+    assert first.run_once().placed == 1
+    epoch = first.leadership.epoch if first.leadership else 0
+    first.shutdown()
+    # The next control plane leads at its first tick, not after the TTL.
+    restarted = reconciler.Reconciler()
+    result = restarted.run_once()
+    assert result.acted and result.epoch == epoch + 1
     assert len(running(model)) == 1
+    restarted.shutdown()
+
+
+def test_a_leader_below_an_agents_epoch_moves_above_it_before_acting() -> None:
+    """A reset store: its lease starts again at epoch 1, the agent has seen 12."""
+    node = make_node("a", gpus=gib(80))
+    Node.objects.filter(pk=node.pk).update(agent_epoch=12)
+    model = make_model("m", min_replicas=1)
+    result = reconciler.Reconciler().run_once()
+    assert result.acted and result.epoch == 13
+    view = leases.read()
+    assert view is not None and view.epoch == 13
+    assert [r.epoch for r in running(model)] == [13]
 
 
 def test_deleting_a_model_asks_its_nodes_to_remove_its_weights_until_done(
@@ -298,3 +431,47 @@ def test_a_model_re_added_with_the_same_source_cancels_the_removal(
     make_model("m2", source="org/m")
     run_tick(lead)
     assert Node.objects.get(name="a").remove_weights == []
+
+
+def test_a_model_runs_under_another_profile_with_its_own_settings_and_counts(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80, 80, 80))
+    model = make_model("m", min_replicas=1, idle_timeout_s=3600)
+    wide = make_profile("wide", gpus_per_shard=2)
+    model.profiles.add(wide)
+    run_tick(lead)
+    (default,) = running(model)
+    assert default.profile_id == model.default_profile_id, "no demand under wide yet"
+
+    serving.record_profile_demand([(model.pk, "wide")])
+    run_tick(lead)
+    (under_wide,) = [r for r in running(model) if r.profile_id == wide.pk]
+    assert len(under_wide.shards.get().gpu_indices) == 2, "placed with wide's settings"
+    assert Event.objects.filter(message__contains="under profile wide").exists()
+
+    set_observed(under_wide, Replica.Observed.READY)
+    run_tick(lead)
+    scale = ProfileScale.objects.get(model=model, profile=wide)
+    assert scale.demand_at is None and scale.last_request_at is not None, "demand met"
+    assert len(running(model)) == 2, "each profile keeps its own replicas"
+
+
+def test_a_profile_minimum_is_kept_and_a_dropped_profile_is_retired(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80, 80, 80))
+    model = make_model("m", min_replicas=0, idle_timeout_s=3600)
+    other = make_profile("other")
+    model.profiles.add(other)
+    ProfileScale.objects.create(model=model, profile=other, min_replicas=2, max_replicas=2)
+    run_tick(lead)
+    replicas = running(model)
+    assert len(replicas) == 2 and {r.profile_id for r in replicas} == {other.pk}
+    for replica in replicas:
+        set_observed(replica, Replica.Observed.READY)
+
+    model.profiles.remove(other)
+    run_tick(lead)
+    assert running(model) == []
+    assert model.replicas.filter(desired=Replica.Desired.DRAINING).count() == 2

@@ -134,3 +134,33 @@ def test_loopback_private_and_named_hosts_are_allowed(url: str) -> None:
 
 def test_ipv6_hosts_get_brackets() -> None:
     assert routing.base_url("fd00::5", 8000) == "http://[fd00::5]:8000"
+
+
+def test_a_plain_name_prefers_its_default_profiles_replicas() -> None:
+    llama = CatalogRow(id=1, name="llama", default_profile="small")
+    rows = [ReplicaRow(10, 1, "fast", "10.0.0.1", 8000), ReplicaRow(11, 1, "small", "h", 8001)]
+    both = routing.build_table([llama], rows, [], profiles={1: ["fast", "small"]})
+    route = both.resolve("llama")
+    assert route is not None and route.profile is None
+    assert [u.id for u in route.upstreams] == ["replica:11"]
+    # With the default profile cold, the others serve plain requests meanwhile.
+    only_fast = routing.build_table([llama], rows[:1], [], profiles={1: ["fast", "small"]})
+    fallback = only_fast.resolve("llama")
+    assert fallback is not None and [u.id for u in fallback.upstreams] == ["replica:10"]
+
+
+def test_name_at_profile_is_served_only_by_that_profile_and_says_which() -> None:
+    llama = CatalogRow(id=1, name="llama", default_profile="small")
+    rows = [ReplicaRow(11, 1, "small", "h", 8001)]
+    cold = routing.build_table([llama], rows, [], profiles={1: ["fast", "small"]})
+    route = cold.resolve("llama@fast")
+    assert route is not None and route.profile == "fast" and route.upstreams == ()
+    assert not route.default_profile, "its demand starts a replica under fast"
+    default = cold.resolve("llama@small")
+    assert default is not None and default.profile == "small" and default.default_profile
+    assert [u.id for u in default.upstreams] == ["replica:11"]
+    only_fast = routing.build_table(
+        [llama], [ReplicaRow(10, 1, "fast", "h", 8000)], [], profiles={1: ["fast", "small"]}
+    )
+    explicit = only_fast.resolve("llama@small")
+    assert explicit is not None and explicit.upstreams == (), "never served by fast"

@@ -53,7 +53,6 @@ LIVE = {"starting", "ready", "draining"}
 
 # Short intervals, so that failures play out in seconds. The lease TTL bounds failover.
 FAST = {
-    "LLMGW_LEADER_ELECTION": "true",
     "LLMGW_LEASE_TTL": "3",
     "LLMGW_LEASE_RENEW_DEADLINE": "2",
     "LLMGW_RECONCILE_INTERVAL": "0.5",

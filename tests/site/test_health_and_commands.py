@@ -66,14 +66,6 @@ def test_lease_command_exits_2_when_the_store_is_unreachable(
     assert code == 2 and "store unreachable" in text
 
 
-def test_lease_command_with_election_off_says_this_process_leads(settings: Any) -> None:
-    settings.LLMGW_LEADER_ELECTION = False
-    assert run_lease_command() == (
-        0,
-        "leader election is off (LLMGW_LEADER_ELECTION): this process leads\n",
-    )
-
-
 def test_agents_package_imports_without_django() -> None:
     code = (
         "import sys, pkgutil, importlib, agents\n"

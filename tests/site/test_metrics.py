@@ -255,14 +255,12 @@ def test_fleet_gauges_are_read_from_the_store_at_scrape_time(token: str) -> None
     assert value(text, "llmgw_replica_last_cold_start_seconds", model="llama3") == pytest.approx(
         42, abs=1
     )
-    assert value(text, "llmgw_leader_election_enabled") == 0
 
 
 @pytest.mark.django_db(transaction=True)
 def test_leader_and_epoch_are_in_the_fleet_gauges(token: str, election_on: Any) -> None:
     leases.claim(owner="cp-a:1:abc", ttl=30)
     text = scrape_via_client()
-    assert value(text, "llmgw_leader_election_enabled") == 1
     assert value(text, "llmgw_lease_held") == 1
     assert value(text, "llmgw_leader_epoch") == 1
     assert value(text, "llmgw_leader_info", owner="cp-a:1:abc") == 1

@@ -23,9 +23,6 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, name: str, **options: Any) -> None:
-        if not leases.election_enabled():
-            self.stdout.write("leader election is off (LLMGW_LEADER_ELECTION): this process leads")
-            return
         try:
             view = leases.read(name)
         except DatabaseError as exc:

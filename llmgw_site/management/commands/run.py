@@ -5,6 +5,10 @@ adds a demo model to an empty catalog, issues a fresh demo API key and a token f
 node, then starts and supervises the web processes (one port), the Celery worker and beat (the
 reconciler) and a local agent (real GPUs through NVML when present, simulated ones otherwise),
 until Ctrl-C stops them all.
+
+``--router-only`` is the gateway alone, in front of engines llmgw does not run: web processes
+only (no worker, beat, agent or demo model), serving ``LLMGW_STATIC_ENDPOINTS`` and the
+Endpoint rows; it refuses to start when there is neither.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from django.db import transaction
 from control import node_tokens
 from control.models import Event, Profile, ServedModel
 from gateway import keys
-from gateway.models import ApiKey
+from gateway.models import ApiKey, Endpoint
 from llmgw_site import launcher, metrics
 
 DEMO_KEY_NAME = "make run demo"
@@ -73,6 +77,14 @@ def ensure_demo_model() -> str:
             message="demo model added to an empty catalog by `manage.py run`",
         )
     return model.name
+
+
+def router_only_models() -> list[str]:
+    """The model names a router-only run serves: its static endpoints' and enabled rows'."""
+    names = {name for endpoint in settings.LLMGW_STATIC_ENDPOINTS for name in endpoint.models}
+    for row in Endpoint.objects.filter(enabled=True).values_list("model_names", flat=True):
+        names.update(str(name) for name in (row or []) if isinstance(name, str) and name)
+    return sorted(names)
 
 
 def issue_demo_key(username: str) -> str:
@@ -174,6 +186,12 @@ class Command(BaseCommand):
             default="",
             help="Accept agents' streams here, and not on the client port.",
         )
+        parser.add_argument(
+            "--router-only",
+            action="store_true",
+            help="Only the gateway, in front of LLMGW_STATIC_ENDPOINTS and the admin's Endpoints: "
+            "no reconciler worker or beat, no agent, no demo model.",
+        )
 
     def handle(
         self,
@@ -185,6 +203,7 @@ class Command(BaseCommand):
         admin_listen: str,
         metrics_listen: str,
         agent_listen: str,
+        router_only: bool,
         **opts: Any,
     ) -> None:
         if web_processes < 1:
@@ -200,6 +219,12 @@ class Command(BaseCommand):
         if len(set(addresses.values())) < len(addresses):
             raise CommandError("each listener needs an address and port of its own")
         call_command("migrate", interactive=False, verbosity=0)
+        served = router_only_models() if router_only else []
+        if router_only and not served:
+            raise CommandError(
+                "--router-only has nothing to serve: set LLMGW_STATIC_ENDPOINTS "
+                "(id=URL=model[,model]) or add an enabled Endpoint in the admin"
+            )
         password = ensure_admin()
         admin_name = (
             get_user_model()
@@ -209,7 +234,7 @@ class Command(BaseCommand):
             .first()
         )
         assert admin_name is not None
-        demo_model = ensure_demo_model()
+        demo_model = served[0] if router_only else ensure_demo_model()
         api_key = issue_demo_key(admin_name)
         # Requests a killed earlier run left in its usage journal get their rows now (each
         # exactly once), before any web process starts writing new ones.
@@ -229,15 +254,13 @@ class Command(BaseCommand):
         children = launcher.web_children(
             sockets, web_processes, access_log=settings.LLMGW_ACCESS_LOG
         )
-        children.append(launcher.Child("worker", celery_argv("worker", "--pool", "solo"), env))
-        children.append(
-            launcher.Child(
-                "beat",
-                celery_argv("beat", "--schedule", str(settings.VAR_DIR / "celerybeat-schedule")),
-                env,
+        if not router_only:
+            schedule = str(settings.VAR_DIR / "celerybeat-schedule")
+            children.append(launcher.Child("worker", celery_argv("worker", "--pool", "solo"), env))
+            children.append(
+                launcher.Child("beat", celery_argv("beat", "--schedule", schedule), env)
             )
-        )
-        if not no_agent:
+        if not (no_agent or router_only):
             agent_dir = settings.VAR_DIR / "agent"
             token_file = agent_dir / "token"
             write_secret(token_file, node_tokens.issue_node_token(LOCAL_NODE))
@@ -253,8 +276,12 @@ class Command(BaseCommand):
         backend = settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1]
         write = self.stdout.write
         write(f"llmgw {settings.LLMGW_VERSION} on {backend}")
-        write(f"  web processes: {web_processes} on {base}  (+ reconciler worker and beat)")
-        if not no_agent:
+        if router_only:
+            write(f"  web processes: {web_processes} on {base}  (router only)")
+            write(f"  serving:       {', '.join(served)}")
+        else:
+            write(f"  web processes: {web_processes} on {base}  (+ reconciler worker and beat)")
+        if not (no_agent or router_only):
             write(f"  local agent:   node '{LOCAL_NODE}': GPUs through NVML, else 2 simulated")
         write(f"  health:        {base}/healthz")
         write(f"  admin:         {admin_base}/admin/")
@@ -270,7 +297,10 @@ class Command(BaseCommand):
             write(f"  admin user:    {admin_name} (its password was shown when it was created)")
         write(f"  API key:       {api_key}   (new for this run; the previous demo key is revoked)")
         write(f"  OpenAI base_url for clients: {base}/v1")
-        write("  try it (the first request starts the model, then it answers):")
+        if not router_only:
+            write("  try it (the first request starts the model, then it answers):")
+        else:
+            write("  try it:")
         body = json.dumps({"model": demo_model, "messages": [{"role": "user", "content": "Hello"}]})
         write(
             f"    curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
