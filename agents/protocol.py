@@ -20,6 +20,7 @@ transport should use; it never raises anything else for any input.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from collections.abc import Mapping
@@ -57,6 +58,7 @@ class CloseCode(IntEnum):
     HELLO_TIMEOUT = 4408
     REPLACED = 4409  # a newer connection of the same node took over
     TOO_BIG = 4413
+    RATE_LIMITED = 4429  # more messages than the control plane accepts from one stream
     UNSUPPORTED_DATA = 4415  # a binary frame: the protocol is JSON text only
     PROTOCOL_VERSION = 4426
     STORE_UNAVAILABLE = 4503  # the control plane cannot serve now (store down); retry later
@@ -237,6 +239,30 @@ def valid_weights_name(name: str) -> bool:
     return bool(_WEIGHTS_NAME.match(name)) and "//" not in name
 
 
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def address_problem(address: str) -> str | None:
+    """Why a node address cannot be used to reach its engines, or None: it must be a bare IP
+    address or host name. Nothing with a scheme, port, path, user or query (the gateway builds
+    engine URLs from it), and no numeric form but the canonical one (``2852039166`` and
+    ``0xa9fea9fe`` are 169.254.169.254 to a resolver)."""
+    if not address or len(address) > 253:
+        return "must be 1-253 characters"
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        pass
+    else:
+        return None
+    labels = address.rstrip(".").split(".")
+    if not all(_HOST_LABEL.match(label) for label in labels):
+        return "must be a bare IP address or host name (no scheme, port or path)"
+    if labels[-1].isdigit() or labels[-1].lower().startswith("0x"):
+        return "must be a canonical IP address (dotted decimal) or a host name"
+    return None
+
+
 def valid_node_name(name: str) -> bool:
     """The node names Django's ``SlugField`` (``Node.name``) accepts."""
     return bool(_NODE_NAME.match(name))
@@ -327,9 +353,17 @@ class Hello:
             boot_id=f.text("boot_id", max_len=100),
             agent_version=f.text("agent_version", max_len=50),
             gpus=gpus,
-            addresses=f.texts("addresses", max_items=32, max_len=255),
+            addresses=_addresses(f.texts("addresses", max_items=32, max_len=255)),
             port_range=port_range,
         )
+
+
+def _addresses(addresses: tuple[str, ...]) -> tuple[str, ...]:
+    for i, address in enumerate(addresses):
+        problem = address_problem(address)
+        if problem is not None:
+            raise ProtocolError(CloseCode.MALFORMED, f"addresses[{i}] {problem}")
+    return addresses
 
 
 @dataclass(frozen=True)
@@ -513,6 +547,9 @@ class DesiredShard:
     health_path: str = "/health"
     startup_timeout_s: float = 600.0
     drain_timeout_s: float = 60.0
+    # The replica's engine API key: the engine refuses calls without it, and only the gateway
+    # is given it, so nobody who merely reaches the node can call the engine directly.
+    api_key: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -534,6 +571,7 @@ class DesiredShard:
             "health_path": self.health_path,
             "startup_timeout_s": self.startup_timeout_s,
             "drain_timeout_s": self.drain_timeout_s,
+            "api_key": self.api_key,
         }
 
     @classmethod
@@ -575,6 +613,7 @@ class DesiredShard:
             health_path=health_path,
             startup_timeout_s=f.number("startup_timeout_s", 600.0, low=0.1),
             drain_timeout_s=f.number("drain_timeout_s", 60.0),
+            api_key=f.text("api_key", "", max_len=200),
         )
 
 

@@ -50,6 +50,26 @@ class Transport(Protocol):
     async def close(self, code: int, reason: str) -> None: ...
 
 
+class TokenBucket:
+    """At most ``rate`` per second on average, ``burst`` at once (monotonic clock)."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.clock = clock
+        self.tokens = float(burst)
+        self.last = clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
 class Coalescer:
     """Says "write now" at most once per interval (monotonic clock)."""
 
@@ -113,6 +133,13 @@ class AgentSession:
         self.written = _Written(shards={})
         self.sent_revision: int | None = None
         self._send_lock = asyncio.Lock()
+        # An agent sends a few messages a second at most (status on change, a heartbeat per
+        # interval); one that sends far more is broken or hostile, and each costs the store.
+        self.inbound = TokenBucket(
+            float(settings.LLMGW_AGENT_MESSAGES_PER_SECOND),
+            int(settings.LLMGW_AGENT_MESSAGE_BURST),
+            clock,
+        )
 
     @property
     def name(self) -> str:
@@ -130,6 +157,12 @@ class AgentSession:
         if self.closed:
             return
         try:
+            if not self.inbound.take():
+                raise ProtocolError(
+                    CloseCode.RATE_LIMITED,
+                    f"more than {self.inbound.rate:g} messages a second "
+                    f"(burst {self.inbound.burst:g}); reconnect and send less",
+                )
             message = decode_agent_message(text if data is None else data)
             if self.hello is None:
                 if not isinstance(message, Hello):
@@ -256,10 +289,24 @@ class AgentSession:
                 await self.fail(CloseCode.HELLO_TIMEOUT, f"no hello within {HELLO_TIMEOUT:g}s")
             return
         if now >= self.next_resync:
+            # The credential is checked against the store here, so a revoked token or
+            # certificate ends the stream within one resync interval on every process, even
+            # where no channel layer carried the revocation's nudge.
+            if not await self._credential_still_valid():
+                await self.fail(
+                    CloseCode.UNAUTHORIZED, "this node's credentials were revoked or replaced"
+                )
+                return
             await self.send_desired("resync")
         elif self.revision_poll and now >= self.next_revision_poll:
             self.next_revision_poll = now + self.revision_poll
             await self._send_if_revised()
+
+    async def _credential_still_valid(self) -> bool:
+        try:
+            return bool(await database_sync_to_async(node_tokens.still_valid)(self.identity))
+        except DatabaseError:
+            return True  # cannot tell now; the store's outage is handled elsewhere
 
     async def _send_if_revised(self) -> None:
         """The nudge's stand-in where the channel layer cannot carry one across processes."""

@@ -35,7 +35,15 @@ from websockets.sync.client import connect
 from agents.protocol import NODE_HEADER, CloseCode, Hello, encode
 from control import health, node_tokens, nudges
 from control.models import Event, Lease, Node, Profile, Replica, ServedModel, Shard
-from tests.harness.cluster import Agent, Cluster, heartbeat_after, node_health
+from tests.harness.cluster import (
+    GRPC,
+    WEBSOCKET,
+    Agent,
+    Cluster,
+    agent_url,
+    heartbeat_after,
+    node_health,
+)
 from tests.harness.procs import alive, connections_to, free_port
 from tests.harness.store import module_store
 from tests.harness.waits import wait_until
@@ -55,13 +63,19 @@ WEB_SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[WEBSOCKET, GRPC], ids=["websocket", "grpc-mtls"])
 def cluster(
-    django_db_setup: None, django_db_blocker: DjangoDbBlocker, tmp_path_factory: Any
+    request: pytest.FixtureRequest,
+    django_db_setup: None,
+    django_db_blocker: DjangoDbBlocker,
+    tmp_path_factory: Any,
 ) -> Iterator[Cluster]:
-    """The web process and agents n1 and n2, started once for the module."""
+    """The web process and agents n1 and n2, started once for each transport: WebSocket with
+    node tokens, and gRPC with mutual TLS (node certificates from the cluster's CA)."""
     with module_store(django_db_blocker):
-        c = Cluster(tmp_path_factory.mktemp("agents-e2e"), settings=WEB_SETTINGS)
+        c = Cluster(
+            tmp_path_factory.mktemp("agents-e2e"), settings=WEB_SETTINGS, transport=request.param
+        )
         try:
             c.start_redis()
             c.add_control_plane(reconciler=False)
@@ -95,6 +109,13 @@ def fleet(cluster: Cluster, settings: Any) -> Cluster:
     return cluster
 
 
+@pytest.fixture
+def websocket_only(cluster: Cluster) -> None:
+    """A test of the WebSocket transport's own handshake and frames (gRPC's have theirs)."""
+    if cluster.transport != WEBSOCKET:
+        pytest.skip("WebSocket transport only; the gRPC listener has its own tests")
+
+
 def highest_epoch_seen(agent: Agent) -> int:
     """The highest leader epoch the agent has accepted (it keeps it across restarts)."""
     try:
@@ -116,7 +137,8 @@ def reset(cluster: Cluster) -> None:
             service.stop()
     cluster.control_planes[1:] = []
     web = primary.web
-    if web is None or not web.running() or dict(web.env) != primary.env:
+    grpc_down = cluster.transport == GRPC and not (primary.grpc and primary.grpc.running())
+    if web is None or not web.running() or dict(web.env) != primary.env or grpc_down:
         primary.start_web()
     highest = max(highest_epoch_seen(a) for a in cluster.agents.values())
     with transaction.atomic():
@@ -134,8 +156,8 @@ def reset(cluster: Cluster) -> None:
         for node_id in Node.objects.values_list("pk", flat=True):
             nudges.nudge_node(node_id)
     for agent in cluster.agents.values():
-        if not Node.objects.filter(name=agent.name).exclude(token_hash="").exists():
-            cluster.issue_token(agent)
+        if not cluster.has_credentials(agent.name):
+            cluster.issue_credentials(agent)
         proc = agent.proc
         if proc is None or not proc.running() or list(proc.argv) != agent.argv:
             if proc is not None:
@@ -208,10 +230,31 @@ def wait_observed(cluster: Cluster, shard: Shard, state: str) -> None:
     )
 
 
-def chat(port: int, model: str = "tiny", **kw: Any) -> Any:
-    client = OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+def engine_key(port: int) -> str:
+    """The engine API key of the live replica whose shard listens on ``port``."""
+    key = (
+        Replica.objects.filter(shards__port=port)
+        .exclude(desired="stopped")
+        .order_by("-pk")
+        .values_list("engine_key", flat=True)
+        .first()
     )
+    assert key, f"no replica on port {port}"
+    return str(key)
+
+
+def engine_client(port: int, key: str | None = None) -> OpenAI:
+    """The engine itself, as only the gateway may call it: with the replica's key."""
+    return OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        api_key=engine_key(port) if key is None else key,
+        max_retries=0,
+        timeout=60,
+    )
+
+
+def chat(port: int, model: str = "tiny", **kw: Any) -> Any:
+    client = engine_client(port)
     return client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hello there"}], **kw
     )
@@ -229,7 +272,7 @@ def stream_of(cluster: Cluster, name: str) -> set[int]:
     """The agent's stream to the web process, as a socket (an inode) the kernel knows."""
     proc = cluster.agents[name].proc
     assert proc is not None
-    return connections_to(proc.pid, cluster.control_planes[0].port)
+    return connections_to(proc.pid, cluster.control_planes[0].agent_port)
 
 
 def boot_id(name: str) -> str:
@@ -404,11 +447,12 @@ def test_an_agent_fails_over_between_control_planes(fleet: Cluster) -> None:
     primary = fleet.control_planes[0]
     standby_port = free_port()
     # The first address has nobody behind it yet.
-    agent.start(urls=[f"http://127.0.0.1:{standby_port}", primary.url])
+    agent.start(urls=[agent_url(fleet.transport, standby_port), primary.agent_url])
     pid = wait_until(lambda: agent.shard_pids().get(shard.pk), what="restarted")
     wait_observed(fleet, shard, "ready")
 
-    standby = fleet.add_control_plane(reconciler=False, port=standby_port)
+    ports = {"agent_port": standby_port} if fleet.transport == GRPC else {"port": standby_port}
+    standby = fleet.add_control_plane(reconciler=False, **ports)
     primary.stop_web()
     moved = place(fleet, "n1", model="m2")  # only the standby can deliver it
     wait_observed(fleet, moved, "ready")
@@ -521,9 +565,7 @@ def test_a_drain_lets_requests_in_flight_finish_and_keeps_their_weights(fleet: C
     shard = place(fleet, "n1", args=("--itl-ms", "60"))
     wait_observed(fleet, shard, "ready")
 
-    client = OpenAI(
-        base_url=f"http://127.0.0.1:{shard.port}/v1", api_key="x", max_retries=0, timeout=60
-    )
+    client = engine_client(shard.port)
     stream = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "go"}], max_tokens=40, stream=True
     )
@@ -584,7 +626,7 @@ def _handshake(cluster: Cluster, token: str | None, node: str) -> Any:
 
 
 def test_bad_tokens_are_refused_at_the_handshake_and_revocation_ends_a_stream(
-    fleet: Cluster,
+    fleet: Cluster, websocket_only: None
 ) -> None:
     """N13: no token, a wrong token, and node n1's token claiming n2 are refused with HTTP 403
     before any stream exists. Revoking n2's token closes its stream and the token no longer
@@ -631,7 +673,7 @@ def test_bad_tokens_are_refused_at_the_handshake_and_revocation_ends_a_stream(
 
 
 def test_bad_frames_get_clear_close_codes_and_other_agents_are_unaffected(
-    fleet: Cluster,
+    fleet: Cluster, websocket_only: None
 ) -> None:
     token = node_tokens.issue_node_token("n3")
     hello = encode(Hello(node="n3", boot_id="b", agent_version="test"))
@@ -753,9 +795,7 @@ def test_the_llamacpp_recipe_serves_a_real_model(fleet: Cluster) -> None:
     assert answer.object == "chat.completion"
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage.completion_tokens >= 6
-    client = OpenAI(
-        base_url=f"http://127.0.0.1:{shard.port}/v1", api_key="x", max_retries=0, timeout=60
-    )
+    client = engine_client(shard.port)
     chunks = list(
         client.chat.completions.create(
             model="tiny-llama",

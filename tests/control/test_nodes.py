@@ -467,9 +467,10 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock: FakeClock, settings: Any
 ) -> None:
     settings.LLMGW_AGENT_RESYNC_INTERVAL = 10
-    node, _ = await database_sync_to_async(issue_node)("n1")
+    _, token = await database_sync_to_async(issue_node)("n1")
     transport = FakeTransport()
-    session = AgentSession(node_tokens.NodeIdentity(node.pk, "n1"), transport, clock=fake_clock)
+    identity = await database_sync_to_async(node_tokens.authenticate)(token, "n1")
+    session = AgentSession(identity, transport, clock=fake_clock)
     await session.tick()
     assert transport.sent == []  # nothing before hello
     await session.receive(encode(hello()))
@@ -481,6 +482,49 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock.advance(1)
     await session.tick()
     assert json.loads(transport.sent[-1])["type"] == "desired" and len(transport.sent) == 3
+
+
+@committed
+async def test_a_revoked_token_ends_the_open_stream_at_the_next_resync_without_any_nudge(
+    fake_clock: FakeClock, settings: Any
+) -> None:
+    """Revocation bites on every process: the session re-checks its credential against the
+    store at each resync, so no channel layer is needed to carry the news."""
+    settings.LLMGW_AGENT_RESYNC_INTERVAL = 10
+    settings.CHANNEL_LAYERS = {}  # nothing could deliver a nudge
+    _, token = await database_sync_to_async(issue_node)("n1")
+    identity = await database_sync_to_async(node_tokens.authenticate)(token, "n1")
+    transport = FakeTransport()
+    session = AgentSession(identity, transport, clock=fake_clock)
+    await session.receive(encode(hello()))
+    assert await database_sync_to_async(node_tokens.revoke_node_token)("n1")
+    fake_clock.advance(9)
+    await session.tick()
+    assert transport.closed is None  # not before the resync is due
+    fake_clock.advance(1)
+    await session.tick()
+    assert transport.closed is not None and transport.closed[0] == CloseCode.UNAUTHORIZED
+    assert "revoked" in json.loads(transport.sent[-1])["message"]
+
+
+@committed
+async def test_a_stream_that_sends_too_fast_is_closed_with_the_rate_limit_code(
+    settings: Any,
+) -> None:
+    settings.LLMGW_AGENT_MESSAGES_PER_SECOND = 1
+    settings.LLMGW_AGENT_MESSAGE_BURST = 20
+    _, token = await database_sync_to_async(issue_node)("n1")
+    identity = await database_sync_to_async(node_tokens.authenticate)(token, "n1")
+    transport = FakeTransport()
+    frozen = FakeClock()
+    session = AgentSession(identity, transport, clock=frozen)
+    await session.receive(encode(hello()))
+    for seq in range(19):  # the burst, hello included
+        await session.receive(encode(Heartbeat(seq=seq)))
+    assert transport.closed is None
+    await session.receive(encode(Heartbeat(seq=99)))
+    assert transport.closed is not None and transport.closed[0] == CloseCode.RATE_LIMITED
+    assert "messages a second" in json.loads(transport.sent[-1])["message"]
 
 
 @committed

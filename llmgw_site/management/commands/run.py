@@ -182,6 +182,10 @@ class Command(BaseCommand):
                 env,
             )
         )
+        if settings.LLMGW_AGENT_LISTEN:  # the agents' gRPC listener, a process of its own
+            manage = str(Path(settings.BASE_DIR) / "manage.py")
+            argv = [sys.executable, manage, "serve_agents_grpc"]
+            children.append(launcher.Child("agent-grpc", argv, env))
         if not no_agent:
             agent_dir = settings.VAR_DIR / "agent"
             token_file = agent_dir / "token"
