@@ -22,6 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
+import openai
 import pytest
 import redis as redis_client
 from django.db import transaction
@@ -32,9 +34,12 @@ from pytest_django import DjangoDbBlocker
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from agents import grpc_wire
+from agents.agent_pb2 import AgentFrame
 from agents.protocol import NODE_HEADER, CloseCode, Hello, encode
-from control import health, node_tokens, nudges
+from control import health, node_certs, node_tokens, nudges
 from control.models import Event, Lease, Node, Profile, Replica, ServedModel, Shard
+from gateway.models import UsageRecord
 from tests.harness.cluster import (
     GRPC,
     WEBSOCKET,
@@ -44,6 +49,7 @@ from tests.harness.cluster import (
     heartbeat_after,
     node_health,
 )
+from tests.harness.factories import make_key
 from tests.harness.procs import alive, connections_to, free_port
 from tests.harness.store import module_store
 from tests.harness.waits import wait_until
@@ -832,3 +838,233 @@ def test_generation_bump_restarts_a_failed_shard(fleet: Cluster) -> None:
     wait_observed(fleet, shard, "ready")
     (again,) = agent.engines()[shard.pk]
     assert again != crashed and agent.shard_pids() == {shard.pk: again}
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def test_an_engine_answers_401_without_its_replicas_key_and_serves_through_the_gateway(
+    fleet: Cluster,
+) -> None:
+    """Whoever reaches the node reaches the engine's port, but not its API: only the gateway
+    holds the replica's key. The agent's own readiness polls use it too (the shard got
+    ready), and the gateway's requests carry it."""
+    shard = place(fleet, "n1")
+    wait_observed(fleet, shard, "ready")
+    for wrong in ("", "unused", engine_key(shard.port)[:-1]):
+        with pytest.raises(openai.AuthenticationError):
+            engine_client(shard.port, key=wrong or "x").chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
+    assert chat(shard.port, max_tokens=2).usage.completion_tokens == 2
+
+    key, _ = make_key("engine-key-test")
+    gateway = OpenAI(
+        base_url=fleet.control_planes[0].url + "/v1", api_key=key, max_retries=0, timeout=60
+    )
+    answer = wait_until(
+        lambda: _through(gateway), what="the gateway routes to the shard", logs=fleet.processes()
+    )
+    assert answer.choices[0].message.content == "tok1 tok2 tok3"
+    wait_until(
+        lambda: UsageRecord.objects.filter(
+            upstream=f"replica:{shard.replica_id}", status=200
+        ).exists(),
+        what="the request recorded against the replica",
+        logs=fleet.processes(),
+    )
+
+
+def _through(gateway: OpenAI) -> Any:
+    try:
+        return gateway.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+    except openai.APIStatusError as exc:
+        if exc.status_code in (429, 503):  # the routing table has not seen the shard yet
+            return None
+        raise
+
+
+AGENT_SECRETS = {
+    "REDIS_URL": "redis://:hunter2@10.9.9.9:6379/0",
+    "LLMGW_METRICS_TOKEN": "metrics-token-secret",
+    "LLMGW_NODE_TOKEN": "llmgw_node_not-the-real-one-but-secret",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-access-key",
+    "GOOGLE_APPLICATION_CREDENTIALS": "/secret/gcp.json",
+}
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
+
+
+def test_an_engines_environment_holds_none_of_the_agents_secrets(fleet: Cluster) -> None:
+    """An agent running with credentials in its environment starts engines that see none
+    of them: /proc/PID/environ of the engine, as the kernel holds it."""
+    agent = fleet.agents["n2"]
+    assert agent.proc is not None
+    plain = dict(agent.env)
+    agent.proc.stop()
+    agent.env.update(AGENT_SECRETS)
+    try:
+        agent.start()
+        shard = place(fleet, "n2")
+        wait_observed(fleet, shard, "ready")
+        (pid,) = agent.engines()[shard.pk]
+        assert set(AGENT_SECRETS) <= set(environ(agent.proc.pid))  # the agent has them
+        seen = environ(pid)
+        assert not set(AGENT_SECRETS) & set(seen)
+        assert not any(value in "\0".join(seen.values()) for value in AGENT_SECRETS.values())
+        assert seen["VLLM_API_KEY"] == engine_key(shard.port)  # its own key, nobody else's
+        assert seen["LLMGW_SHARD_ID"] == str(shard.pk)
+    finally:
+        agent.proc.stop()
+        agent.env.clear()
+        agent.env.update(plain)
+        agent.start()
+
+
+# --------------------------------------------------------------------------- revocation
+
+
+def test_revoked_credentials_end_the_open_stream_at_the_resync_without_a_channel_layer(
+    fleet: Cluster,
+) -> None:
+    """No Redis: the web process (and the gRPC listener) cannot be told of the revocation by a
+    nudge, since this test process is another process. The stream ends anyway, at its next
+    resync; the agent's shards keep running; new credentials let it back in."""
+    plane = fleet.control_planes[0]
+    plane.start_web(REDIS_URL="", LLMGW_AGENT_RESYNC_INTERVAL="2")
+    agent = fleet.agents["n2"]
+    assert agent.proc is not None
+    restarted = timezone.now()
+    wait_until(lambda: heartbeat_after("n2", restarted), what="n2 reconnected")
+    shard = place(fleet, "n2")
+    wait_observed(fleet, shard, "ready")
+    pid = agent.shard_pids()[shard.pk]
+    stream = stream_of(fleet, "n2")
+    assert stream
+    if fleet.transport == GRPC:
+        assert node_certs.revoke_node_cert("n2")
+    else:
+        assert node_tokens.revoke_node_token("n2")
+    wait_until(
+        lambda: not stream_of(fleet, "n2") & stream,
+        what="n2's stream closed by the resync's check",
+        logs=fleet.processes(),
+    )
+    assert agent.proc.running() and agent.shard_pids() == {shard.pk: pid}
+    assert chat(shard.port, max_tokens=1).choices
+
+    reissued = timezone.now()
+    fleet.issue_credentials(agent)
+    wait_until(
+        lambda: heartbeat_after("n2", reissued) and stream_of(fleet, "n2"),
+        what="the agent back in with new credentials",
+        logs=[agent.proc],
+    )
+    assert agent.shard_pids() == {shard.pk: pid}
+
+
+# --------------------------------------------------------------------------- gRPC + mTLS
+
+
+@pytest.fixture
+def grpc_only(cluster: Cluster) -> None:
+    if cluster.transport != GRPC:
+        pytest.skip("the gRPC listener's mutual TLS")
+
+
+def grpc_stream(
+    cluster: Cluster,
+    node: str,
+    *,
+    tls: tuple[Path, Path, Path] | None,
+    claimed: str | None = None,
+    plaintext: bool = False,
+) -> list[dict[str, Any]]:
+    """Open a stream as ``node`` (its hello), half-close, and return what came back; raises
+    grpc.RpcError with the call's status when the listener refuses or ends it."""
+    target = f"127.0.0.1:{cluster.control_planes[0].agent_port}"
+    if plaintext:
+        channel = grpc.insecure_channel(target)
+    else:
+        assert tls is not None
+        ca, cert, key = tls
+        credentials = grpc.ssl_channel_credentials(
+            ca.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
+        )
+        channel = grpc.secure_channel(target, credentials)
+    hello = grpc_wire.to_frame(Hello(node=node, boot_id="b", agent_version="t"), AgentFrame)
+    metadata = [(grpc_wire.NODE_KEY, claimed)] if claimed else []
+    with channel:
+        call = channel.stream_stream(
+            grpc_wire.METHOD,
+            request_serializer=grpc_wire.serialize,
+            response_deserializer=grpc_wire.parse_server_frame,
+        )
+        frames = call(iter([hello]), metadata=metadata, timeout=30)
+        return [json.loads(grpc_wire.frame_to_text(f)) for f in frames]
+
+
+def node_tls(cluster: Cluster, name: str, ca_dir: Path | None = None) -> tuple[Path, Path, Path]:
+    out = cluster.root / "extra-certs" / name
+    node_certs.issue_node_cert(name, ca_dir or cluster.ca_dir, out)
+    return cluster.ca_dir / node_certs.CA_CERT, out / f"{name}.pem", out / f"{name}.key"
+
+
+def test_with_identity_required_only_a_valid_certificate_of_the_named_node_is_served(
+    fleet: Cluster, grpc_only: None, tmp_path: Path
+) -> None:
+    """Mutual TLS: a certificate of the cluster CA is the node's identity (no token). One of
+    another CA, another node's, none at all, or plaintext: refused. The real agents, which
+    hold valid ones, are served throughout."""
+    tls = node_tls(fleet, "n3")
+    frames = grpc_stream(fleet, "n3", tls=tls)
+    assert [f["type"] for f in frames[:2]] == ["welcome", "desired"]
+    assert Node.objects.get(name="n3").health == "ready"
+
+    # A certificate from another CA, even for a node whose row names its serial.
+    other = tmp_path / "other-ca"
+    node_certs.init_ca(other, ["localhost", "127.0.0.1"])
+    _, cert, key = node_tls(fleet, "n3", ca_dir=other)
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=(tls[0], cert, key))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # the TLS handshake failed
+
+    # Node n4's certificate presenting as n3: at the call, and in the hello.
+    tls = node_tls(fleet, "n3")
+    n4 = node_tls(fleet, "n4")
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=n4, claimed="n3")
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=n4)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert dict(refused.value.trailing_metadata())[grpc_wire.CLOSE_CODE_KEY] == str(
+        int(CloseCode.FORBIDDEN)
+    )
+
+    # No client certificate, and no TLS at all.
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=(tls[0], None, None))  # type: ignore[arg-type]
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=None, plaintext=True)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # A revoked certificate opens nothing.
+    assert node_certs.revoke_node_cert("n3")
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=tls)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    for name in ("n1", "n2"):
+        assert node_health(name) == "ready"
+    for plane in fleet.control_planes:
+        for proc in plane.services():
+            assert "Traceback" not in proc.log()

@@ -21,6 +21,7 @@ from agents.engines import (
     weights_path,
 )
 from agents.gpus import parse_simulated
+from agents.links import GRPC, WEBSOCKET, parse_target
 from agents.plan import fingerprint
 from agents.protocol import DesiredShard, DesiredShardState, Engine, FailureClass
 
@@ -283,3 +284,91 @@ def test_the_agent_refuses_bad_configuration_at_start(
     assert result.returncode == 2
     assert words in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- where engines run
+
+
+SECRETS = {
+    "LLMGW_NODE_TOKEN": "llmgw_node_secret",
+    "REDIS_URL": "redis://:hunter2@cache:6379/0",
+    "LLMGW_METRICS_TOKEN": "metrics-secret",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret",
+    "AWS_ACCESS_KEY_ID": "AKIA-secret",
+    "GOOGLE_APPLICATION_CREDENTIALS": "/etc/gcp.json",
+    "DATABASE_URL": "postgres://u:p@db/x",
+}
+
+
+def test_engines_get_an_allowlisted_environment_never_the_agents_secrets() -> None:
+    base = {
+        **SECRETS,
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "HF_TOKEN": "hf_x",
+        "NCCL_DEBUG": "INFO",
+        "CUDA_HOME": "/usr/local/cuda",
+        "LC_ALL": "C.UTF-8",
+    }
+    env = launch(SHARD, CTX, base).env
+    assert not set(SECRETS) & set(env)
+    joined = " ".join(env.values())
+    assert not any(secret in joined for secret in SECRETS.values())
+    for kept in ("PATH", "HOME", "HF_TOKEN", "NCCL_DEBUG", "CUDA_HOME", "LC_ALL"):
+        assert env[kept] == base[kept]
+
+
+@pytest.mark.parametrize(
+    ("engine", "where"),
+    [
+        (Engine.SIM, ("env", "VLLM_API_KEY")),
+        (Engine.VLLM, ("env", "VLLM_API_KEY")),
+        (Engine.LLAMACPP, ("env", "API_KEY")),
+        (Engine.SGLANG, ("argv", "--api-key")),
+    ],
+)
+def test_each_engine_is_given_its_replicas_key_the_way_it_reads_one(
+    engine: Engine, where: tuple[str, str]
+) -> None:
+    shard = replace(SHARD, engine=engine, api_key="llmgw_engine_k")
+    plan = launch(shard, CTX, {"VLLM_API_KEY": "agent's own"})
+    kind, name = where
+    if kind == "env":
+        assert plan.env[name] == "llmgw_engine_k"
+        assert "llmgw_engine_k" not in plan.argv  # not in the process list
+    else:
+        assert plan.argv[plan.argv.index(name) + 1] == "llmgw_engine_k"
+    # A profile cannot switch the key off through its env.
+    profiled = launch(replace(shard, env={"VLLM_API_KEY": "", "API_KEY": ""}), CTX, {})
+    if kind == "env":
+        assert profiled.env[name] == "llmgw_engine_k"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ws://10.0.0.5:8000", "http://cp.example:8000", "grpc://10.0.0.5:9000"],
+)
+def test_a_control_plane_without_tls_off_loopback_is_refused(url: str) -> None:
+    transport = GRPC if "grpc" in url else WEBSOCKET
+    with pytest.raises(ValueError, match="has no TLS"):
+        parse_target(url, transport)
+    assert not parse_target(url, transport, insecure=True).tls  # the operator's choice
+
+
+@pytest.mark.parametrize(
+    ("url", "transport", "expected"),
+    [
+        ("http://127.0.0.1:8000", WEBSOCKET, "ws://127.0.0.1:8000/agents/stream"),
+        ("https://cp.example", WEBSOCKET, "wss://cp.example/agents/stream"),
+        ("http://localhost:9000", GRPC, "grpc://localhost:9000"),
+        ("https://cp.example:9443", GRPC, "grpcs://cp.example:9443"),
+        ("grpcs://[::1]:9443", GRPC, "grpcs://[::1]:9443"),
+    ],
+)
+def test_loopback_and_tls_urls_are_accepted(url: str, transport: str, expected: str) -> None:
+    assert parse_target(url, transport).url == expected
+
+
+def test_a_grpc_url_needs_the_listeners_port() -> None:
+    with pytest.raises(ValueError, match="port"):
+        parse_target("grpcs://cp.example", GRPC)

@@ -270,6 +270,53 @@ def test_hello_registers_the_node_and_its_gpus() -> None:
 
 
 @db
+def test_a_report_sent_again_writes_no_second_event(settings: Any) -> None:
+    """A reconnecting agent re-sends every shard and its weights outcomes: nothing new
+    happened, so nothing new is written to the audit log."""
+    node, _ = issue_node("n1")
+    shard = shard_on(node)
+    failed = report(shard, ShardState.FAILED, exit_code=70, failure_class=FailureClass.CRASH)
+    refused = agent_reports.NodeReport(
+        weights=(WeightsReport("org/m", WeightsState.REFUSED, "in use by shard(s) 1"),),
+        stale_rejected=1,
+    )
+    before = Event.objects.count()
+    for _ in range(3):
+        agent_reports.record_status(node.pk, [failed], refused)
+    kinds = list(Event.objects.order_by("pk").values_list("message", flat=True)[before:])
+    assert len(kinds) == 3, kinds  # the failure, the weights refusal, the stale count: once
+    worse = agent_reports.NodeReport(stale_rejected=2)
+    agent_reports.record_status(node.pk, [], worse)
+    assert Event.objects.count() == before + 4  # a change is recorded
+
+
+@db
+def test_one_node_cannot_write_more_than_its_cap_of_events_a_minute(settings: Any) -> None:
+    settings.LLMGW_NODE_EVENTS_PER_MINUTE = 5
+    issue_node("n1")
+    issue_node("n2")
+    now = timezone.now()
+    written = [
+        agent_reports.agent_event(
+            "n1", now, kind=Event.Kind.NODE, subject="node/n1", message=f"event {i}"
+        )
+        for i in range(50)
+    ]
+    assert written == [True] * 5 + [False] * 45
+    mine = Event.objects.filter(data__reported_by="n1")
+    assert mine.count() == 6  # five, and one saying the rest are dropped
+    assert mine.filter(message__contains="further events are dropped").count() == 1
+    # Another node is not affected, and a minute later n1 may write again.
+    assert agent_reports.agent_event(
+        "n2", now, kind=Event.Kind.NODE, subject="node/n2", message="fine"
+    )
+    later = now + timedelta(minutes=1, seconds=1)
+    assert agent_reports.agent_event(
+        "n1", later, kind=Event.Kind.NODE, subject="node/n1", message="again"
+    )
+
+
+@db
 def test_status_updates_shards_and_their_replica() -> None:
     node, _ = issue_node("n1")
     other, _ = issue_node("n2")

@@ -112,6 +112,9 @@ def agent_argv(control_plane: str, host: str, token_file: Path, agent_dir: Path)
     if host in {"127.0.0.1", "localhost", "::1"}:
         # A loopback control plane means a one-machine install: keep engines off the network.
         argv += ["--advertise-address", "127.0.0.1", "--engine-host", "127.0.0.1"]
+    else:
+        # The local agent dials this very machine: its stream never crosses the network.
+        argv += ["--insecure"]
     # Real GPUs through NVML when the node has them, two simulated ones (and `sim`) when not.
     argv += ["--fallback-gpus", "2x80GiB"]
     return argv
