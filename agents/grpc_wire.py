@@ -101,7 +101,7 @@ def fill(message: Message, values: Mapping[str, Any]) -> None:
 def to_frame(message: ProtocolMessage, frame_type: type[Message]) -> Message:
     """One protocol message in its frame (``AgentFrame`` or ``ServerFrame``)."""
     frame = frame_type()
-    frame.v = PROTOCOL_VERSION  # type: ignore[attr-defined]
+    frame.v = PROTOCOL_VERSION
     body = getattr(frame, message.TYPE)
     body.SetInParent()
     fill(body, message.to_dict())
@@ -114,7 +114,7 @@ def text_to_frame(text: str, frame_type: type[Message]) -> Message:
     raw = json.loads(text)
     kind = raw.pop("type")
     frame = frame_type()
-    frame.v = raw.pop("v")  # type: ignore[attr-defined]
+    frame.v = raw.pop("v")
     body = getattr(frame, kind)
     body.SetInParent()
     fill(body, raw)
@@ -125,7 +125,7 @@ def frame_to_text(frame: Message) -> str:
     """A received frame as the JSON text the protocol's decoder validates. A frame without a
     body decodes to an unknown message type there, with the usual close code."""
     kind = frame.WhichOneof("body")
-    body: dict[str, Any] = {"type": kind, "v": frame.v}  # type: ignore[attr-defined]
+    body: dict[str, Any] = {"type": kind, "v": frame.v}
     if kind is not None:
         body.update(message_to_dict(getattr(frame, kind)))
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
@@ -152,4 +152,5 @@ def parse_server_frame(data: bytes) -> ServerFrame:
 
 
 def serialize(frame: Message) -> bytes:
-    return frame.SerializeToString()
+    data: bytes = frame.SerializeToString()
+    return data

@@ -457,8 +457,10 @@ def test_an_agent_fails_over_between_control_planes(fleet: Cluster) -> None:
     pid = wait_until(lambda: agent.shard_pids().get(shard.pk), what="restarted")
     wait_observed(fleet, shard, "ready")
 
-    ports = {"agent_port": standby_port} if fleet.transport == GRPC else {"port": standby_port}
-    standby = fleet.add_control_plane(reconciler=False, **ports)
+    if fleet.transport == GRPC:
+        standby = fleet.add_control_plane(reconciler=False, agent_port=standby_port)
+    else:
+        standby = fleet.add_control_plane(reconciler=False, port=standby_port)
     primary.stop_web()
     moved = place(fleet, "n1", model="m2")  # only the standby can deliver it
     wait_observed(fleet, moved, "ready")

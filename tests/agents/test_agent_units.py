@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -372,3 +373,48 @@ def test_loopback_and_tls_urls_are_accepted(url: str, transport: str, expected: 
 def test_a_grpc_url_needs_the_listeners_port() -> None:
     with pytest.raises(ValueError, match="port"):
         parse_target("grpcs://cp.example", GRPC)
+
+
+def _plan(tmp_path: Path, *args: str) -> Any:
+    from agents.__main__ import build_parser, prepare
+
+    token = tmp_path / "token"
+    token.write_text("llmgw_node_" + "x" * 43)
+    token.chmod(0o600)
+    argv = ["--token-file", str(token), "--state-dir", str(tmp_path / "s")]
+    argv += ["--weights-dir", str(tmp_path / "w"), *args]
+    return prepare(build_parser().parse_args(argv))
+
+
+def test_engines_bind_the_address_the_node_is_reached_at_never_every_interface(
+    tmp_path: Path,
+) -> None:
+    """No --advertise-address: the node advertises the address it reaches the control plane
+    from (loopback for a local one), and its engines listen there only."""
+    plan = _plan(tmp_path, "--control-plane", "http://127.0.0.1:8000")
+    assert plan.connection.addresses == ("127.0.0.1",)
+    assert plan.supervisor.launch.host == "127.0.0.1"
+    given = _plan(tmp_path, "--control-plane", "http://127.0.0.1:8000", "--advertise-address",
+                  "10.1.2.3")  # fmt: skip
+    assert given.supervisor.launch.host == "10.1.2.3"
+
+
+def test_over_grpc_a_client_certificate_replaces_the_token(tmp_path: Path) -> None:
+    from agents.__main__ import build_parser, prepare
+
+    for name in ("ca.pem", "n1.pem", "n1.key"):
+        (tmp_path / name).write_text("-----BEGIN-----\n")
+    args = build_parser().parse_args(
+        [
+            "--transport", "grpc", "--control-plane", "grpcs://cp.example:9443",
+            "--tls-ca", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "n1.pem"),
+            "--tls-key", str(tmp_path / "n1.key"), "--advertise-address", "10.1.2.3",
+            "--state-dir", str(tmp_path / "s"), "--weights-dir", str(tmp_path / "w"),
+        ]
+    )  # fmt: skip
+    plan = prepare(args)
+    assert plan.connection.token == ""
+    assert plan.connection.urls == ("grpcs://cp.example:9443",)
+    args.tls_key = None
+    with pytest.raises(ValueError, match="go together"):
+        prepare(args)

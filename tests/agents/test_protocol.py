@@ -336,6 +336,5 @@ def test_a_node_address_must_be_a_bare_ip_or_host_name(address: str) -> None:
 
 @pytest.mark.parametrize("address", ["10.0.0.7", "fd00::7", "gpu-07.example.com", "gpu07"])
 def test_ips_and_host_names_are_node_addresses(address: str) -> None:
-    assert decode_agent_message(encode(replace(HELLO, addresses=(address,)))).addresses == (
-        address,
-    )
+    decoded = decode_agent_message(encode(replace(HELLO, addresses=(address,))))
+    assert isinstance(decoded, Hello) and decoded.addresses == (address,)
