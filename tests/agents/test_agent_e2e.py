@@ -46,6 +46,7 @@ from tests.harness.cluster import (
     Agent,
     Cluster,
     agent_url,
+    grpc_listener,
     heartbeat_after,
     node_health,
 )
@@ -978,7 +979,7 @@ def test_revoked_credentials_end_the_open_stream_at_the_resync_without_a_channel
 @pytest.fixture
 def grpc_only(cluster: Cluster) -> None:
     if cluster.transport != GRPC:
-        pytest.skip("the gRPC listener's mutual TLS")
+        pytest.skip("the gRPC listener only")
 
 
 def grpc_stream(
@@ -1070,3 +1071,38 @@ def test_with_identity_required_only_a_valid_certificate_of_the_named_node_is_se
     for plane in fleet.control_planes:
         for proc in plane.services():
             assert "Traceback" not in proc.log()
+
+
+def test_without_identity_required_the_grpc_listener_takes_node_tokens(
+    fleet: Cluster, grpc_only: None, tmp_path: Path
+) -> None:
+    """A listener without a CA (loopback, plaintext) authenticates by node token, as the
+    WebSocket handshake does: a valid token is served, a wrong or another node's is not."""
+    plane = fleet.control_planes[0]
+    env = {**plane.env, "LLMGW_AGENT_REQUIRE_IDENTITY": "false", "LLMGW_CA_DIR": str(tmp_path)}
+    listener = grpc_listener("tokens-grpc", tmp_path / "logs", env, free_port())
+    try:
+        token = node_tokens.issue_node_token("n5")
+        other = node_tokens.issue_node_token("n6")
+        target = f"127.0.0.1:{listener.port}"
+
+        def stream(token: str, node: str = "n5") -> list[dict[str, Any]]:
+            hello = grpc_wire.to_frame(Hello(node=node, boot_id="b", agent_version="t"), AgentFrame)
+            with grpc.insecure_channel(target) as channel:
+                call = channel.stream_stream(
+                    grpc_wire.METHOD,
+                    request_serializer=grpc_wire.serialize,
+                    response_deserializer=grpc_wire.parse_server_frame,
+                )
+                metadata = [("authorization", f"Bearer {token}"), (grpc_wire.NODE_KEY, node)]
+                frames = call(iter([hello]), metadata=metadata, timeout=30)
+                return [json.loads(grpc_wire.frame_to_text(f)) for f in frames]
+
+        assert [f["type"] for f in stream(token)[:2]] == ["welcome", "desired"]
+        for bad in ("llmgw_node_" + "A" * 43, other, ""):
+            with pytest.raises(grpc.RpcError) as refused:
+                stream(bad)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert token not in listener.log() and "Traceback" not in listener.log()
+    finally:
+        listener.stop()
