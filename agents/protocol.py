@@ -3,7 +3,9 @@
 Both sides import this module (the agent has no Django; the control plane's session logic and
 its transports do), so a field cannot mean one thing on one side and another on the other.
 
-Wire format: one JSON object per WebSocket text frame, ``{"type": ..., "v": 1, ...fields}``.
+Wire format: one JSON object per WebSocket text frame, ``{"type": ..., "v": 1, ...fields}``;
+over gRPC, the same fields in the frames of ``agents/agent.proto`` (:mod:`agents.grpc_wire`
+turns one into the other, and a test proves the schema equal to this module field for field).
 ``v`` is the protocol version on every message; a peer speaking another version is refused
 with :attr:`CloseCode.PROTOCOL_VERSION` before anything else is read. Within a version,
 fields may be added (a reader ignores fields it does not know) but never removed or re-typed.

@@ -2,9 +2,13 @@
 
 :class:`AgentSession` holds the protocol logic: hello first (within a deadline), then status
 and heartbeats in, full desired state out (on connect, on a nudge, on a periodic resync). A
-transport — the Channels consumer in :mod:`control.consumers`, a gRPC servicer later — only
+transport — the Channels consumer in :mod:`control.consumers`, the gRPC servicer in
+:mod:`control.agent_grpc` — only
 moves text frames and calls :meth:`AgentSession.receive`, :meth:`AgentSession.tick`,
 :meth:`AgentSession.send_desired`; authentication happened before the session exists.
+
+Every stream is held to a message rate (closed with 4429 past it), and re-checks the credential
+it was opened with at each resync, so a revocation ends it on every process.
 
 Writes are kept small: a shard's row is written when its reported state changes, load and
 GPU memory and the heartbeat at most every :func:`control.health.heartbeat_write_interval`.
