@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.installed-test
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
 typecheck migrations-check pytest-sqlite pytest-postgres bench: export SECRET_KEY = llmgw-checks-only-not-a-secret
 
-.PHONY: run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench clean
+.PHONY: proto run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,3 +63,11 @@ bench: $(RUN_STAMP)
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*
+
+# The gRPC frames (agents/agent_pb2.py) from agents/agent.proto. grpcio-tools is a build tool
+# only (it pulls a newer setuptools), so it lives in a throwaway environment under var/.
+PROTO_VENV := var/proto-venv
+proto:
+	test -x $(PROTO_VENV)/bin/python || $(PYTHON) -m venv $(PROTO_VENV)
+	$(PROTO_VENV)/bin/pip install --quiet grpcio-tools==1.85.1
+	cd agents && ../$(PROTO_VENV)/bin/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. agent.proto

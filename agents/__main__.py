@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents import __version__
-from agents.agent import Agent, ConnectionConfig, stream_url
+from agents import __version__, links
+from agents.agent import Agent, ConnectionConfig
 from agents.engines import LaunchContext
 from agents.gpus import discover, parse_simulated
 from agents.protocol import TOKEN_PREFIX, valid_node_name
@@ -80,7 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
         "repeat for several, tried in turn. Default: LLMGW_CONTROL_PLANES (comma-separated) "
         "or http://127.0.0.1:8000",
     )
+    add(
+        "--transport",
+        choices=links.TRANSPORTS,
+        default=os.environ.get("LLMGW_AGENT_TRANSPORT") or links.WEBSOCKET,
+        help="websocket (through any HTTP proxy; token) or grpc (HTTP/2; mutual TLS with "
+        "--tls-cert, where the certificate is the node's identity) (default %(default)s)",
+    )
     add("--token-file", type=Path, help="file holding this node's token")
+    add("--tls-ca", type=Path, help="the cluster CA certificate to verify the control plane by")
+    add("--tls-cert", type=Path, help="this node's certificate (`manage.py issue_node_cert`)")
+    add("--tls-key", type=Path, help="this node's private key, beside --tls-cert")
+    add(
+        "--insecure",
+        action="store_true",
+        help="allow a control-plane URL without TLS to a host that is not loopback",
+    )
     add(
         "--node",
         default=os.environ.get("LLMGW_NODE_NAME") or default_node,
@@ -103,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--engine-host",
-        help="address engines listen on (default: the first advertised address, else 0.0.0.0)",
+        help="address engines listen on (default: the first advertised address; engines are "
+        "never bound to every interface unless this says 0.0.0.0)",
     )
     add(
         "--port-range",
@@ -187,7 +203,24 @@ def interface_address(name: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
-def read_token(token_file: Path | None) -> str:
+def route_address(host: str) -> str:
+    """The local address this machine reaches ``host`` from (a UDP "connect" sends nothing):
+    the address the gateway can reach this node's engines at, in the common case of one
+    network; loopback when the control plane is on this machine."""
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ValueError(f"cannot resolve the control plane's host {host!r}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        try:
+            sock.connect(address)
+        except OSError as exc:
+            raise ValueError(f"no route to the control plane's host {host!r}: {exc}") from None
+        return str(sock.getsockname()[0])
+
+
+def read_token(token_file: Path | None, *, required: bool = True) -> str:
     if token_file is not None:
         try:
             token = token_file.read_text().strip()
@@ -199,6 +232,8 @@ def read_token(token_file: Path | None) -> str:
     else:
         token = os.environ.get("LLMGW_NODE_TOKEN", "").strip()
     if not token:
+        if not required:
+            return ""
         raise ValueError("no node token: pass --token-file or set LLMGW_NODE_TOKEN")
     if not token.startswith(TOKEN_PREFIX):
         raise ValueError(
@@ -220,15 +255,29 @@ class Plan:
 
 def prepare(args: argparse.Namespace) -> Plan:
     """Turn the command line into a plan; ValueError names what is wrong."""
-    token = read_token(args.token_file)
+    tls = links.TlsFiles(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+    if (tls.cert is None) != (tls.key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    for path in (tls.ca, tls.cert, tls.key):
+        if path is not None and not path.is_file():
+            raise ValueError(f"cannot read {path}")
+    # With a client certificate over gRPC the certificate is the node's identity.
+    token = read_token(
+        args.token_file, required=not (args.transport == links.GRPC and tls.cert is not None)
+    )
     urls_raw = args.urls or (os.environ.get("LLMGW_CONTROL_PLANES") or DEFAULT_URL).split(",")
-    urls = tuple(stream_url(u) for u in urls_raw if u.strip())
-    if not urls:
+    targets = tuple(
+        links.parse_target(u, args.transport, insecure=args.insecure) for u in urls_raw if u.strip()
+    )
+    if not targets:
         raise ValueError("no control-plane URL given")
     addresses = list(args.addresses)
     if not addresses and args.management_interface:
         addresses.append(interface_address(args.management_interface))
-    engine_host = args.engine_host or (addresses[0] if addresses else "0.0.0.0")  # noqa: S104
+    if not addresses:
+        addresses.append(route_address(targets[0].host))
+    # Engines listen where the gateway reaches them, and nowhere else.
+    engine_host = args.engine_host or addresses[0]
     weights_dir: Path = args.weights_dir.expanduser().resolve()
     state_dir: Path = args.state_dir.expanduser().resolve()
     for folder in (weights_dir, state_dir):
@@ -238,7 +287,10 @@ def prepare(args: argparse.Namespace) -> Plan:
             raise ValueError(f"cannot create {folder}: {exc}") from None
     return Plan(
         connection=ConnectionConfig(
-            urls=urls,
+            urls=tuple(t.url for t in targets),
+            transport=args.transport,
+            tls=tls,
+            insecure=args.insecure,
             token=token,
             token_file=args.token_file,
             node=args.node,

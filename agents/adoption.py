@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,11 @@ def save(path: Path, highest_epoch: int, shards: Sequence[SavedShard]) -> None:
     }
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=1))
+        # Owner-only: the specs carry the engines' API keys.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(data, indent=1))
         tmp.replace(path)
     except OSError as exc:
         logger.warning("cannot write %s: %s", path, exc)

@@ -12,21 +12,20 @@ import asyncio
 import contextlib
 import logging
 import random
+import ssl
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
-from urllib.parse import urlsplit, urlunsplit
+from typing import Final
 
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from agents import __version__
+from agents import __version__, grpc_wire, links
 from agents.protocol import (
     MAX_MESSAGE_BYTES,
     NODE_HEADER,
-    STREAM_PATH,
     CloseCode,
     DesiredState,
     ErrorMessage,
@@ -48,12 +47,7 @@ FULL_STATUS_EVERY: Final = 5
 
 def stream_url(url: str) -> str:
     """Accept the control plane's web address (``http://cp:8000``) or a full stream URL."""
-    parts = urlsplit(url.strip())
-    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
-    if scheme not in ("ws", "wss") or not parts.netloc:
-        raise ValueError(f"{url!r} is not an http(s):// or ws(s):// URL")
-    path = parts.path if parts.path not in ("", "/") else STREAM_PATH
-    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+    return links.parse_target(url, links.WEBSOCKET, insecure=True).url
 
 
 def backoff_delay(
@@ -91,9 +85,13 @@ class ConnectionConfig:
     backoff_max: float = 5.0
     open_timeout: float = 10.0
     hello_timeout: float = 10.0
-    # WebSocket pings find a half-open connection to the control plane (no FIN, no RST).
+    # WebSocket pings (gRPC keepalives) find a half-open connection to the control plane
+    # (no FIN, no RST).
     ping_interval: float = 10.0
     ping_timeout: float = 10.0
+    transport: str = links.WEBSOCKET
+    tls: links.TlsFiles = field(default_factory=links.TlsFiles)
+    insecure: bool = False
 
 
 class Agent:
@@ -112,33 +110,34 @@ class Agent:
         self.boot_id = uuid.uuid4().hex
         self.connections = 0
         self.last_close_code: int | None = None  # how the control plane ended the last stream
-        self._ws: ClientConnection | None = None
+        self._link: links.Link | None = None
+        self.targets = tuple(
+            links.parse_target(url, config.transport, insecure=config.insecure)
+            for url in config.urls
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Stay connected to some control plane until ``stop`` is set."""
         failures = 0
         index = 0
         while not stop.is_set():
-            url = self.config.urls[index % len(self.config.urls)]
+            target = self.targets[index % len(self.targets)]
+            url = target.url
             welcomed = False
             self.last_close_code = None
             try:
-                welcomed = await self._connect(url, stop)
+                welcomed = await self._connect(target, stop)
             except InvalidStatus as exc:
                 status = exc.response.status_code
                 if status in (401, 403):
-                    logger.error(
-                        "%s refused this agent at the handshake (HTTP %s): the node token is "
-                        "missing, wrong or revoked, or was issued for another node than %r",
-                        url,
-                        status,
-                        self.config.node,
-                    )
+                    self._log_refused(url, f"HTTP {status}")
                 else:
                     logger.warning("%s answered the handshake with HTTP %s", url, status)
-            except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
+            except links.Refused as exc:
+                self._log_refused(url, str(exc))
+            except (OSError, TimeoutError, InvalidHandshake, InvalidURI, links.Unreachable) as exc:
                 logger.warning("cannot reach %s: %s", url, exc or type(exc).__name__)
-            except ConnectionClosed as exc:
+            except (ConnectionClosed, links.LinkClosed) as exc:
                 logger.warning("connection to %s lost: %s", url, exc)
             if stop.is_set():
                 break
@@ -161,18 +160,27 @@ class Agent:
             logger.info(
                 "reconnecting in %.1fs to %s",
                 delay,
-                self.config.urls[index % len(self.config.urls)],
+                self.targets[index % len(self.targets)].url,
             )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
 
+    def _log_refused(self, url: str, why: str) -> None:
+        logger.error(
+            "%s refused this agent (%s): the node token or certificate is missing, wrong or "
+            "revoked, or was issued for another node than %r",
+            url,
+            why,
+            self.config.node,
+        )
+
     async def report_now(self) -> None:
         """Send a full status at once if connected (the last word before shutting down)."""
-        ws = self._ws
-        if ws is None:
+        link = self._link
+        if link is None:
             return
-        with contextlib.suppress(ConnectionClosed, OSError):
-            await asyncio.wait_for(ws.send(encode(self.supervisor.status())), timeout=2)
+        with contextlib.suppress(ConnectionClosed, links.LinkClosed, OSError, TimeoutError):
+            await asyncio.wait_for(link.send(encode(self.supervisor.status())), timeout=2)
 
     def _token(self) -> str:
         path = self.config.token_file
@@ -185,10 +193,32 @@ class Agent:
             return self.config.token
         return token or self.config.token
 
-    async def _connect(self, url: str, stop: asyncio.Event) -> bool:
-        headers = {"Authorization": f"Bearer {self._token()}", NODE_HEADER: self.config.node}
+    @contextlib.asynccontextmanager
+    async def _open(self, target: links.Target) -> AsyncIterator[links.Link]:
+        token = self._token()
+        if target.transport == links.GRPC:
+            metadata = [(grpc_wire.NODE_KEY, self.config.node)]
+            if token:
+                metadata.append(("authorization", f"Bearer {token}"))
+            link = await links.open_grpc(
+                target,
+                self.config.tls,
+                tuple(metadata),
+                open_timeout=self.config.open_timeout,
+                keepalive_s=self.config.ping_interval,
+                max_message_bytes=MAX_MESSAGE_BYTES,
+            )
+            try:
+                yield link
+            finally:
+                await link.close(1000, "")
+            return
+        headers = {NODE_HEADER: self.config.node}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        ssl_context = _websocket_tls(self.config.tls) if target.tls else None
         async with connect(
-            url,
+            target.url,
             additional_headers=headers,
             user_agent_header=f"llmgw-agent/{__version__}",
             open_timeout=self.config.open_timeout,
@@ -197,69 +227,77 @@ class Agent:
             close_timeout=2,
             max_size=MAX_MESSAGE_BYTES,
             proxy=None,
+            ssl=ssl_context,
         ) as ws:
-            welcome = await self._handshake(ws)
+            yield links.WebSocketLink(ws)
+
+    async def _connect(self, target: links.Target, stop: asyncio.Event) -> bool:
+        url = target.url
+        async with self._open(target) as link:
+            welcome = await self._handshake(link)
             if welcome is None:
                 return False
             self.connections += 1
-            self._ws = ws
+            self._link = link
             logger.info(
-                "connected to %s as node %s (heartbeat every %gs)",
+                "connected to %s as node %s over %s (heartbeat every %gs)",
                 url,
                 self.config.node,
+                target.transport,
                 welcome.heartbeat_interval,
             )
             # Everything this node runs, at once: the control plane may have restarted, or
             # another one may hold this stream now; shards kept running meanwhile.
-            await ws.send(encode(self.supervisor.status()))
+            await link.send(encode(self.supervisor.status()))
             tasks = {
-                asyncio.create_task(self._receive(ws), name="receive"),
-                asyncio.create_task(self._report(ws, welcome.heartbeat_interval), name="report"),
+                asyncio.create_task(self._receive(link), name="receive"),
+                asyncio.create_task(self._report(link, welcome.heartbeat_interval), name="report"),
                 asyncio.create_task(stop.wait(), name="stop"),
             }
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                self._ws = None
+                self._link = None
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
             if stop.is_set():
-                await ws.close(1001, "agent shutting down")
+                await link.close(1001, "agent shutting down")
                 return True
             for task in done:
                 exc = task.exception()
-                if exc is not None and not isinstance(exc, ConnectionClosed):
+                if exc is not None and not isinstance(exc, ConnectionClosed | links.LinkClosed):
                     raise exc
-            self.last_close_code = ws.close_code
-            if ws.close_code in (None, 1006):
-                logger.warning("stream to %s lost (no close frame)", url)
+            self.last_close_code = link.close_code
+            if link.close_code in (None, 1006):
+                logger.warning("stream to %s lost (no close code)", url)
             else:
                 logger.warning(
                     "control plane %s closed the stream (code %s%s)",
                     url,
-                    ws.close_code,
-                    f": {ws.close_reason}" if ws.close_reason else "",
+                    link.close_code,
+                    f": {link.close_reason}" if link.close_reason else "",
                 )
             return True
 
-    async def _handshake(self, ws: ClientConnection) -> Welcome | None:
+    async def _handshake(self, link: links.Link) -> Welcome | None:
+        local = link.local_address()
         hello = Hello(
             node=self.config.node,
             boot_id=self.boot_id,
             agent_version=__version__,
             gpus=self.supervisor.gpus.read(),
-            addresses=self.config.addresses or _local_address(ws),
+            addresses=self.config.addresses or ((local,) if local else ()),
             port_range=self.config.port_range,
             highest_epoch=self.supervisor.highest_epoch,
         )
-        await ws.send(encode(hello))
-        raw = await asyncio.wait_for(ws.recv(), timeout=self.config.hello_timeout)
+        await link.send(encode(hello))
+        raw = await asyncio.wait_for(link.recv(), timeout=self.config.hello_timeout)
         try:
             answer = decode_server_message(raw)
         except ProtocolError as exc:
             logger.error("the control plane's answer to hello is not understood: %s", exc)
-            await ws.close(int(exc.code), exc.message[:120])
+            await link.close(int(exc.code), exc.message[:120])
             return None
         if isinstance(answer, ErrorMessage):
             logger.error("the control plane refused hello: %s (%s)", answer.message, answer.code)
@@ -269,15 +307,16 @@ class Agent:
             return None
         return answer
 
-    async def _receive(self, ws: ClientConnection) -> None:
-        async for raw in ws:
+    async def _receive(self, link: links.Link) -> None:
+        while True:
+            raw = await link.recv()
             try:
                 message = decode_server_message(raw)
             except ProtocolError as exc:
                 # A bad snapshot must not take the node down or loop reconnecting: say so,
                 # keep running what runs, and wait for the next one.
                 logger.error("ignoring a message from the control plane: %s", exc.message)
-                await ws.send(encode(ErrorMessage(int(exc.code), exc.message)))
+                await link.send(encode(ErrorMessage(int(exc.code), exc.message)))
                 continue
             if isinstance(message, DesiredState):
                 if message.node != self.config.node:
@@ -293,7 +332,7 @@ class Agent:
                     "control plane error %s: %s", message.code, message.message or "(no text)"
                 )
 
-    async def _report(self, ws: ClientConnection, interval: float) -> None:
+    async def _report(self, link: links.Link, interval: float) -> None:
         changed = self.supervisor.changed
         seq = 0
         while True:
@@ -302,15 +341,15 @@ class Agent:
             seq += 1
             if changed.is_set() or seq % FULL_STATUS_EVERY == 0:
                 changed.clear()
-                await ws.send(encode(self.supervisor.status()))
+                await link.send(encode(self.supervisor.status()))
             else:
-                await ws.send(encode(Heartbeat(seq=seq)))
+                await link.send(encode(Heartbeat(seq=seq)))
 
 
-def _local_address(ws: ClientConnection) -> tuple[str, ...]:
-    """The address this node used to reach the control plane: the one it can be reached at,
-    in the common case of one network, when no address was given."""
-    local: Any = ws.local_address
-    if isinstance(local, tuple) and local and isinstance(local[0], str):
-        return (local[0],)
-    return ()
+def _websocket_tls(tls: links.TlsFiles) -> ssl.SSLContext:
+    """``wss://``: the system's trust store, or the cluster CA when one is given (a client
+    certificate too, for a proxy in front that checks it)."""
+    context = ssl.create_default_context(cafile=str(tls.ca) if tls.ca else None)
+    if tls.cert is not None and tls.key is not None:
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+    return context

@@ -152,11 +152,51 @@ def template_values(shard: DesiredShard, ctx: LaunchContext) -> dict[str, str]:
     }
 
 
+# What an engine inherits of the agent's environment: the names a GPU server needs (CUDA,
+# NCCL, the Hugging Face caches and token, the engines' own settings), and nothing else. The
+# agent's own secrets (its node token, a Redis URL, a metrics token, cloud credentials) never
+# reach a process that runs a model's code.
+_ENV_NAMES: Final = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+        "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+        "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_RUNTIME_DIR",
+        "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+        "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+        "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    }
+)  # fmt: skip
+_ENV_PREFIXES: Final = (
+    "LC_", "CUDA_", "NCCL_", "NVIDIA_", "CUDNN_", "CUBLAS_", "TORCH", "PYTORCH_", "TRITON_",
+    "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "VLLM_", "SGLANG_", "LLAMA_", "GGML_", "ROCM_",
+    "HIP_", "UCX_", "GLOO_", "MASTER_",
+)  # fmt: skip
+
+
+def engine_environment(base_env: Mapping[str, str]) -> dict[str, str]:
+    """The part of the agent's environment an engine may see (see ``_ENV_NAMES``)."""
+    return {k: v for k, v in base_env.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
+
+
+# How each engine takes its API key. Through the environment where the engine reads one (the
+# process list shows every argv to every user of the machine; /proc/PID/environ only to its
+# owner); SGLang reads it only from its command line.
+_KEY_ENV: Final[dict[Engine, str]] = {
+    Engine.SIM: "VLLM_API_KEY",
+    Engine.VLLM: "VLLM_API_KEY",
+    Engine.LLAMACPP: "API_KEY",  # llama-cpp-python's server settings
+}
+_KEY_FLAG: Final[dict[Engine, str]] = {Engine.SGLANG: "--api-key"}
+
+
 def launch(shard: DesiredShard, ctx: LaunchContext, base_env: Mapping[str, str]) -> Launch:
     """The command line and environment one shard starts with."""
     values = template_values(shard, ctx)
     argv = tuple(render(part, values) for part in (*_RECIPES[shard.engine], *shard.args))
-    env = {k: v for k, v in base_env.items() if not k.startswith("LLMGW_NODE_TOKEN")}
+    flag = _KEY_FLAG.get(shard.engine)
+    if flag is not None and shard.api_key:
+        argv = (*argv, flag, shard.api_key)
+    env = engine_environment(base_env)
     if shard.engine is Engine.SIM:
         # sim is part of this package; engines run from the state directory, so the package
         # must be importable from wherever the agent itself was imported.
@@ -176,6 +216,12 @@ def launch(shard: DesiredShard, ctx: LaunchContext, base_env: Mapping[str, str])
         }
     )
     env.update({k: render(v, values) for k, v in shard.env.items()})
+    key_name = _KEY_ENV.get(shard.engine)
+    if key_name is not None:
+        if shard.api_key:
+            env[key_name] = shard.api_key  # after the profile's env: a profile cannot unset it
+        else:
+            env.pop(key_name, None)
     return Launch(argv=argv, env=env)
 
 

@@ -3,7 +3,9 @@
 Both sides import this module (the agent has no Django; the control plane's session logic and
 its transports do), so a field cannot mean one thing on one side and another on the other.
 
-Wire format: one JSON object per WebSocket text frame, ``{"type": ..., "v": 1, ...fields}``.
+Wire format: one JSON object per WebSocket text frame, ``{"type": ..., "v": 1, ...fields}``;
+over gRPC, the same fields in the frames of ``agents/agent.proto`` (:mod:`agents.grpc_wire`
+turns one into the other, and a test proves the schema equal to this module field for field).
 ``v`` is the protocol version on every message; a peer speaking another version is refused
 with :attr:`CloseCode.PROTOCOL_VERSION` before anything else is read. Within a version,
 fields may be added (a reader ignores fields it does not know) but never removed or re-typed.
@@ -20,6 +22,7 @@ transport should use; it never raises anything else for any input.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from collections.abc import Mapping
@@ -60,6 +63,7 @@ class CloseCode(IntEnum):
     HELLO_TIMEOUT = 4408
     REPLACED = 4409  # a newer connection of the same node took over
     TOO_BIG = 4413
+    RATE_LIMITED = 4429  # more messages than the control plane accepts from one stream
     UNSUPPORTED_DATA = 4415  # a binary frame: the protocol is JSON text only
     PROTOCOL_VERSION = 4426
     STORE_UNAVAILABLE = 4503  # the control plane cannot serve now (store down); retry later
@@ -240,6 +244,30 @@ def valid_weights_name(name: str) -> bool:
     return bool(_WEIGHTS_NAME.match(name)) and "//" not in name
 
 
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def address_problem(address: str) -> str | None:
+    """Why a node address cannot be used to reach its engines, or None: it must be a bare IP
+    address or host name. Nothing with a scheme, port, path, user or query (the gateway builds
+    engine URLs from it), and no numeric form but the canonical one (``2852039166`` and
+    ``0xa9fea9fe`` are 169.254.169.254 to a resolver)."""
+    if not address or len(address) > 253:
+        return "must be 1-253 characters"
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        pass
+    else:
+        return None
+    labels = address.rstrip(".").split(".")
+    if not all(_HOST_LABEL.match(label) for label in labels):
+        return "must be a bare IP address or host name (no scheme, port or path)"
+    if labels[-1].isdigit() or labels[-1].lower().startswith("0x"):
+        return "must be a canonical IP address (dotted decimal) or a host name"
+    return None
+
+
 def valid_node_name(name: str) -> bool:
     """The node names Django's ``SlugField`` (``Node.name``) accepts."""
     return bool(_NODE_NAME.match(name))
@@ -334,12 +362,20 @@ class Hello:
             boot_id=f.text("boot_id", max_len=100),
             agent_version=f.text("agent_version", max_len=50),
             gpus=gpus,
-            addresses=f.texts("addresses", max_items=32, max_len=255),
+            addresses=_addresses(f.texts("addresses", max_items=32, max_len=255)),
             port_range=port_range,
             # Bounded well below the column's limit, so moving the lease above it cannot
             # overflow; absent (an older agent) reads as "seen nothing".
             highest_epoch=f.integer("highest_epoch", 0, high=MAX_EPOCH),
         )
+
+
+def _addresses(addresses: tuple[str, ...]) -> tuple[str, ...]:
+    for i, address in enumerate(addresses):
+        problem = address_problem(address)
+        if problem is not None:
+            raise ProtocolError(CloseCode.MALFORMED, f"addresses[{i}] {problem}")
+    return addresses
 
 
 @dataclass(frozen=True)
@@ -523,6 +559,9 @@ class DesiredShard:
     health_path: str = "/health"
     startup_timeout_s: float = 600.0
     drain_timeout_s: float = 60.0
+    # The replica's engine API key: the engine refuses calls without it, and only the gateway
+    # is given it, so nobody who merely reaches the node can call the engine directly.
+    api_key: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -544,6 +583,7 @@ class DesiredShard:
             "health_path": self.health_path,
             "startup_timeout_s": self.startup_timeout_s,
             "drain_timeout_s": self.drain_timeout_s,
+            "api_key": self.api_key,
         }
 
     @classmethod
@@ -585,6 +625,7 @@ class DesiredShard:
             health_path=health_path,
             startup_timeout_s=f.number("startup_timeout_s", 600.0, low=0.1),
             drain_timeout_s=f.number("drain_timeout_s", 60.0),
+            api_key=f.text("api_key", "", max_len=200),
         )
 
 

@@ -406,7 +406,7 @@ class Supervisor:
     async def _read_load(self, rt: ShardRuntime) -> int | None:
         """Requests in flight (running + waiting) from the engine's metrics, or None."""
         try:
-            response = await self._http.get(self._url(rt, "/metrics"))
+            response = await self._http.get(self._url(rt, "/metrics"), headers=_auth(rt))
         except httpx.HTTPError:
             return None
         load = parse_load(response.text) if response.status_code == 200 else None
@@ -425,7 +425,7 @@ class Supervisor:
 
     async def _healthy(self, rt: ShardRuntime) -> bool:
         try:
-            response = await self._http.get(self._url(rt, health_path(rt.spec)))
+            response = await self._http.get(self._url(rt, health_path(rt.spec)), headers=_auth(rt))
         except httpx.HTTPError:
             return False
         return response.status_code == 200
@@ -564,3 +564,8 @@ class Supervisor:
             self._save_state()
         await self.janitor.close()
         await self._http.aclose()
+
+
+def _auth(rt: ShardRuntime) -> dict[str, str]:
+    """The engine's key on the agent's own polls (llama.cpp's readiness path is under /v1)."""
+    return {"Authorization": f"Bearer {rt.spec.api_key}"} if rt.spec.api_key else {}

@@ -239,6 +239,8 @@ class NodeAdmin(admin.ModelAdmin[Node]):
         "boot_id",
         "token_prefix",
         "token_issued_at",
+        "cert_serial",
+        "cert_issued_at",
         "desired_revision",
         "observed_revision",
         "port_min",
@@ -367,7 +369,8 @@ class ReplicaAdmin(admin.ModelAdmin[Replica]):
     actions = ["restart"]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Replica | None = None) -> list[str]:
-        return [f.name for f in Replica._meta.concrete_fields]
+        # The engine key is the gateway's and the agent's secret, never shown on a page.
+        return [f.name for f in Replica._meta.concrete_fields if f.name != "engine_key"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

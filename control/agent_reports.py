@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -28,6 +29,37 @@ logger = logging.getLogger(__name__)
 
 Health = Node.Health
 Observed = Replica.Observed
+
+
+def agent_event(
+    node: str, now: datetime, /, *, kind: str, subject: str, message: str, **data: Any
+) -> bool:
+    """Write an Event a node's report caused, unless that node has written
+    ``LLMGW_NODE_EVENTS_PER_MINUTE`` of them in the last minute: however its agent behaves,
+    one node cannot flood the audit log. The first event past the cap says that the rest of
+    the minute's are dropped. Returns whether the event was written."""
+    cap = int(settings.LLMGW_NODE_EVENTS_PER_MINUTE)
+    recent = Event.objects.filter(
+        created_at__gte=now - timedelta(minutes=1), data__reported_by=node
+    ).count()
+    if recent > cap:
+        return False
+    if recent == cap:
+        kind, subject = Event.Kind.NODE, f"node/{node}"
+        message = (
+            f"node {node} caused more than {cap} events in a minute; its further events are "
+            "dropped until the rate falls"
+        )
+        data = {}
+        logger.warning("node %s: event cap of %s a minute reached", node, cap)
+    Event.objects.create(
+        created_at=now,
+        kind=kind,
+        subject=subject,
+        message=message,
+        data={**data, "reported_by": node},
+    )
+    return recent < cap
 
 
 def register_hello(node_id: int, hello: Hello) -> None:
@@ -50,12 +82,14 @@ def register_hello(node_id: int, hello: Hello) -> None:
         _store_gpus(node_id, hello.gpus, now, prune=True)
         if was != Health.READY or restarted or not node.boot_id:
             what = "agent restarted" if restarted else f"connected (was {was})"
-            Event.objects.create(
+            agent_event(
+                node.name,
+                now,
                 kind=Event.Kind.NODE,
                 subject=f"node/{node.name}",
                 message=f"node {what}: agent {hello.agent_version}, {len(hello.gpus)} GPU(s), "
                 f"addresses {', '.join(hello.addresses) or 'none'}",
-                data={"boot_id": hello.boot_id},
+                boot_id=hello.boot_id,
             )
     logger.info(
         "node %s connected: agent %s, %d GPU(s), addresses %s",
@@ -94,9 +128,13 @@ def record_heartbeat(node_id: int) -> None:
             Node.objects.filter(pk=node_id).exclude(health=Health.READY).update(health=Health.READY)
         )
         if back:
-            name = Node.objects.filter(pk=node_id).values_list("name", flat=True).first()
-            Event.objects.create(
-                kind=Event.Kind.NODE, subject=f"node/{name}", message="node ready: heartbeats back"
+            name = str(Node.objects.filter(pk=node_id).values_list("name", flat=True).first())
+            agent_event(
+                name,
+                now,
+                kind=Event.Kind.NODE,
+                subject=f"node/{name}",
+                message="node ready: heartbeats back",
             )
             logger.info("node %s ready again: heartbeats back", name)
 
@@ -145,12 +183,16 @@ def record_status(
         name = Node.objects.filter(pk=node_id).values_list("name", flat=True).first()
         touched: set[int] = set()
         for report in shards:
-            updated = Shard.objects.filter(
+            row = Shard.objects.filter(
                 pk=report.shard_id,
                 node_id=node_id,
                 replica_id=report.replica_id,
                 replica__generation=report.generation,
-            ).update(
+            )
+            # An event only for a change: a failure reported again (a reconnect re-sends
+            # every shard) is not a second failure.
+            before = row.values_list("observed", "exit_code", "message").first()
+            updated = row.update(
                 observed=report.state.value,
                 exit_code=report.exit_code,
                 failure_class=report.failure_class.value,
@@ -162,13 +204,17 @@ def record_status(
             )
             if updated:
                 touched.add(report.replica_id)
-                if report.state.value == Observed.FAILED:
-                    Event.objects.create(
+                now_is = (report.state.value, report.exit_code, report.message[:500])
+                if report.state.value == Observed.FAILED and before != now_is:
+                    agent_event(
+                        str(name),
+                        now,
                         kind=Event.Kind.LIFECYCLE,
                         subject=f"replica/{report.replica_id}",
                         message=f"shard {report.shard_id} on {name} failed "
                         f"({report.failure_class.value or 'unknown'}): {report.message}",
-                        data={"exit_code": report.exit_code, "node": name},
+                        exit_code=report.exit_code,
+                        node=name,
                     )
         for replica_id in sorted(touched):
             _refresh_replica(replica_id, now)
@@ -209,10 +255,17 @@ def _record_node_report(node_id: int, name: str, report: NodeReport, now: dateti
     changes: dict[str, Any] = {}
     if report.observed_revision is not None:
         changes["observed_revision"] = report.observed_revision
+    stored = (
+        Node.objects.filter(pk=node_id)
+        .values_list("stale_desired_rejected", "weights_report")
+        .first()
+    ) or (0, [])
     if report.stale_rejected is not None:
         changes["stale_desired_rejected"] = report.stale_rejected
-        if report.stale_rejected:
-            Event.objects.create(
+        if report.stale_rejected and report.stale_rejected != stored[0]:
+            agent_event(
+                name,
+                now,
                 kind=Event.Kind.NODE,
                 subject=f"node/{name}",
                 message=f"agent rejected a desired state from a deposed leader (lower epoch); "
@@ -220,9 +273,19 @@ def _record_node_report(node_id: int, name: str, report: NodeReport, now: dateti
             )
     if report.weights is not None:
         changes["weights_report"] = [w.to_dict() for w in report.weights]
+        # Only entries whose outcome changed: an unchanged list re-sent costs no event.
+        known = {
+            (str(w.get("name")), str(w.get("state")), str(w.get("message")))
+            for w in (stored[1] or [])
+            if isinstance(w, dict)
+        }
         for item in report.weights:
-            if item.state.value in ("refused", "removed"):
-                Event.objects.create(
+            if item.state.value in ("refused", "removed") and (
+                (item.name, item.state.value, item.message) not in known
+            ):
+                agent_event(
+                    name,
+                    now,
                     kind=Event.Kind.NODE,
                     subject=f"node/{name}",
                     message=f"weights {item.name} {item.state.value}: {item.message}",

@@ -2,9 +2,13 @@
 
 :class:`AgentSession` holds the protocol logic: hello first (within a deadline), then status
 and heartbeats in, full desired state out (on connect, on a nudge, on a periodic resync). A
-transport — the Channels consumer in :mod:`control.consumers`, a gRPC servicer later — only
+transport — the Channels consumer in :mod:`control.consumers`, the gRPC servicer in
+:mod:`control.agent_grpc` — only
 moves text frames and calls :meth:`AgentSession.receive`, :meth:`AgentSession.tick`,
 :meth:`AgentSession.send_desired`; authentication happened before the session exists.
+
+Every stream is held to a message rate (closed with 4429 past it), and re-checks the credential
+it was opened with at each resync, so a revocation ends it on every process.
 
 Writes are kept small: a shard's row is written when its reported state changes, load and
 GPU memory and the heartbeat at most every :func:`control.health.heartbeat_write_interval`.
@@ -48,6 +52,26 @@ class Transport(Protocol):
     async def send_text(self, text: str) -> None: ...
 
     async def close(self, code: int, reason: str) -> None: ...
+
+
+class TokenBucket:
+    """At most ``rate`` per second on average, ``burst`` at once (monotonic clock)."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.clock = clock
+        self.tokens = float(burst)
+        self.last = clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 class Coalescer:
@@ -114,6 +138,13 @@ class AgentSession:
         self.sent_revision: int | None = None
         self.awaiting_epoch = False
         self._send_lock = asyncio.Lock()
+        # An agent sends a few messages a second at most (status on change, a heartbeat per
+        # interval); one that sends far more is broken or hostile, and each costs the store.
+        self.inbound = TokenBucket(
+            float(settings.LLMGW_AGENT_MESSAGES_PER_SECOND),
+            int(settings.LLMGW_AGENT_MESSAGE_BURST),
+            clock,
+        )
 
     @property
     def name(self) -> str:
@@ -131,6 +162,12 @@ class AgentSession:
         if self.closed:
             return
         try:
+            if not self.inbound.take():
+                raise ProtocolError(
+                    CloseCode.RATE_LIMITED,
+                    f"more than {self.inbound.rate:g} messages a second "
+                    f"(burst {self.inbound.burst:g}); reconnect and send less",
+                )
             message = decode_agent_message(text if data is None else data)
             if self.hello is None:
                 if not isinstance(message, Hello):
@@ -273,10 +310,24 @@ class AgentSession:
                 await self.fail(CloseCode.HELLO_TIMEOUT, f"no hello within {HELLO_TIMEOUT:g}s")
             return
         if now >= self.next_resync:
+            # The credential is checked against the store here, so a revoked token or
+            # certificate ends the stream within one resync interval on every process, even
+            # where no channel layer carried the revocation's nudge.
+            if not await self._credential_still_valid():
+                await self.fail(
+                    CloseCode.UNAUTHORIZED, "this node's credentials were revoked or replaced"
+                )
+                return
             await self.send_desired("resync")
         elif self.revision_poll and now >= self.next_revision_poll:
             self.next_revision_poll = now + self.revision_poll
             await self._send_if_revised()
+
+    async def _credential_still_valid(self) -> bool:
+        try:
+            return bool(await database_sync_to_async(node_tokens.still_valid)(self.identity))
+        except DatabaseError:
+            return True  # cannot tell now; the store's outage is handled elsewhere
 
     async def _send_if_revised(self) -> None:
         """The nudge's stand-in where the channel layer cannot carry one across processes."""

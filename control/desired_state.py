@@ -87,6 +87,7 @@ def build_desired_state(node_id: int) -> DesiredState:
                 health_path=profile.health_path,
                 startup_timeout_s=float(profile.startup_timeout_s),
                 drain_timeout_s=timeout,
+                api_key=replica.engine_key,
             )
         )
     return DesiredState(

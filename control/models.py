@@ -7,6 +7,7 @@ live in separate fields; the admin lets operators edit only the former.
 
 from __future__ import annotations
 
+import secrets
 from datetime import UTC, datetime
 
 from django.core.exceptions import ValidationError
@@ -194,6 +195,12 @@ class Node(models.Model):
     token_prefix = models.CharField(max_length=20, blank=True, editable=False)
     token_hash = models.CharField(max_length=64, blank=True, editable=False, db_index=True)
     token_issued_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # The serial number of the one client certificate that is this node's identity on the
+    # gRPC listener (``manage.py issue_node_cert``); empty: none valid (never issued, or
+    # revoked). A certificate whose serial is not this one is refused, so issuing a new
+    # certificate revokes the old one.
+    cert_serial = models.CharField(max_length=64, blank=True, editable=False, db_index=True)
+    cert_issued_at = models.DateTimeField(null=True, blank=True, editable=False)
     # Desired: weights (names relative to the agent's weights directory) the agent should
     # delete once no shard uses them.
     remove_weights = models.JSONField(default=list, blank=True)
@@ -257,6 +264,11 @@ class FailureClass(models.TextChoices):
     HEALTH_TIMEOUT = "health_timeout", "health check timed out"
 
 
+def new_engine_key() -> str:
+    """A replica's engine API key: 256 random bits (only the gateway and the agent see it)."""
+    return "llmgw_engine_" + secrets.token_urlsafe(32)
+
+
 class Replica(models.Model):
     """One running copy of a model under one profile, made of one shard per node it spans.
 
@@ -293,6 +305,9 @@ class Replica(models.Model):
     backoff_until = models.DateTimeField(null=True, blank=True, editable=False)
     generation = models.PositiveIntegerField(default=1, editable=False)
     epoch = models.BigIntegerField(default=0, editable=False)
+    # The engine's API key: sent to the agent in desired state, by the gateway with every
+    # request; the engine refuses calls without it.
+    engine_key = models.CharField(max_length=64, default=new_engine_key, editable=False, blank=True)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     ready_at = models.DateTimeField(null=True, blank=True, editable=False)
     # When the last request on it finished (reported by the gateway): idle time and eviction's

@@ -31,10 +31,18 @@ def hash_token(token: str) -> str:
 
 @dataclass(frozen=True)
 class NodeIdentity:
-    """Who is on the other end of a stream, as its token proved."""
+    """Who is on the other end of a stream, as its token (or certificate) proved.
+
+    ``token_hash`` or ``cert_serial`` is the credential the stream was opened with; an open
+    stream re-checks it against the store on every resync (:func:`still_valid`), so a revoked
+    or re-issued credential ends the stream on every web process, with or without a channel
+    layer to carry the news.
+    """
 
     id: int
     name: str
+    token_hash: str = ""
+    cert_serial: str = ""
 
 
 class TokenRejected(Exception):
@@ -95,7 +103,20 @@ def authenticate(token: str, claimed_node: str | None) -> NodeIdentity:
     row = Node.objects.filter(token_hash=hash_token(token)).values_list("pk", "name").first()
     if row is None:
         raise TokenRejected("unknown or revoked node token")
-    identity = NodeIdentity(id=row[0], name=row[1])
+    identity = NodeIdentity(id=row[0], name=row[1], token_hash=hash_token(token))
     if claimed_node is not None and claimed_node != identity.name:
         raise TokenRejected(f"the token of node {identity.name!r} claims node {claimed_node!r}")
     return identity
+
+
+def still_valid(identity: NodeIdentity) -> bool:
+    """Whether the credential a stream was opened with is still the node's (not revoked, not
+    replaced by a newer one). One indexed read."""
+    rows = Node.objects.filter(pk=identity.id)
+    if identity.cert_serial:
+        rows = rows.filter(cert_serial=identity.cert_serial)
+    elif identity.token_hash:
+        rows = rows.filter(token_hash=identity.token_hash)
+    else:
+        return False
+    return rows.exists()

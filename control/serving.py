@@ -26,6 +26,7 @@ from django.db.models import Q
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
+from agents.protocol import address_problem
 from control import gateway_counts, leases
 from control.models import Node, Profile, ProfileScale, Replica, ServedModel, Shard
 
@@ -67,6 +68,7 @@ class ReadyReplica:
     profile: str
     host: str
     port: int
+    engine_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,10 +126,10 @@ def routing_snapshot() -> RoutingSnapshot:
     # A replica takes traffic when it is observed ready, meant to run, and its head shard's
     # node is healthy and not draining (drained nodes finish what they hold, take nothing new).
     live = {
-        replica_id: (model_id, profile_id)
-        for replica_id, model_id, profile_id in Replica.objects.filter(
+        replica_id: (model_id, profile_id, key)
+        for replica_id, model_id, profile_id, key in Replica.objects.filter(
             observed=Replica.Observed.READY, desired=Replica.Desired.RUNNING
-        ).values_list("id", "model_id", "profile_id")
+        ).values_list("id", "model_id", "profile_id", "engine_key")
     }
     nodes = dict(
         Node.objects.filter(health=Node.Health.READY)
@@ -144,9 +146,14 @@ def routing_snapshot() -> RoutingSnapshot:
         if not host:
             logger.warning("replica %s: its node reports no address; not routed", replica_id)
             continue
-        model_id, profile_id = live[replica_id]
+        problem = address_problem(host)
+        if problem is not None:
+            # Agents cannot send such an address; a row edited around them is not trusted.
+            logger.warning("replica %s: node address %r %s; not routed", replica_id, host, problem)
+            continue
+        model_id, profile_id, key = live[replica_id]
         replicas.append(
-            ReadyReplica(replica_id, model_id, profile_names.get(profile_id, ""), host, port)
+            ReadyReplica(replica_id, model_id, profile_names.get(profile_id, ""), host, port, key)
         )
     return RoutingSnapshot(models, replicas)
 

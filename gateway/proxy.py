@@ -424,12 +424,15 @@ async def _attempt(
     response: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(deadlines.first_byte):
+            if upstream.key:  # the engine's own key: only the gateway holds it
+                headers += b"Authorization: Bearer " + upstream.key.encode() + b"\r\n"
             response = await pool().post(
                 upstream.base_url,
                 ex.api_route.path,
                 ex.body.forward_body,
                 headers + b"X-Request-Id: " + ex.request_id.encode() + b"\r\n",
                 connect_timeout=deadlines.connect,
+                addresses=upstream.addresses,
             )
             status = response.status
             # An engine never redirects; an upstream that does is not followed anywhere.

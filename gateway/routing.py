@@ -8,6 +8,7 @@ skipping upstreams ejected for a cool-down. ``gateway.upstreams`` does the I/O a
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -20,6 +21,11 @@ class Upstream:
     id: str  # "replica:12", "endpoint:slug" or "static:id"; recorded in usage rows
     base_url: str  # scheme://host:port, without a trailing "/v1"
     weight: int = 1
+    # The engine's API key (replicas only): sent as the bearer on every request upstream.
+    key: str = field(default="", repr=False)
+    # Which addresses a connection may end at (upstream_client.AddressPolicy's values):
+    # "node" for replicas, "public" for Endpoint rows, "any" where an operator allowed it.
+    addresses: str = "any"
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class ReplicaRow:
     profile: str
     host: str
     port: int
+    key: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class EndpointRow:
     url: str
     models: tuple[str, ...]
     weight: int = 1
+    addresses: str = "any"
 
 
 @dataclass(frozen=True)
@@ -157,11 +165,21 @@ def build_table(
     for replica in sorted(replicas, key=lambda r: r.id):
         if replica.model_id not in models:
             continue
-        upstream = Upstream(f"replica:{replica.id}", base_url(replica.host, replica.port))
+        upstream = Upstream(
+            f"replica:{replica.id}",
+            base_url(replica.host, replica.port),
+            key=replica.key,
+            addresses="node",
+        )
         by_model.setdefault(replica.model_id, {}).setdefault(replica.profile, []).append(upstream)
     static: dict[str, list[Upstream]] = {}
     for endpoint in endpoints:
-        upstream = Upstream(endpoint.id, normalize_base(endpoint.url), max(1, endpoint.weight))
+        upstream = Upstream(
+            endpoint.id,
+            normalize_base(endpoint.url),
+            max(1, endpoint.weight),
+            addresses=endpoint.addresses,
+        )
         for name in endpoint.models:
             static.setdefault(name, []).append(upstream)
 
@@ -237,9 +255,12 @@ _METADATA_HOSTS = frozenset(
 def upstream_url_problem(url: str) -> str | None:
     """Why a URL must not be an upstream (G5), or None if it may be.
 
-    Private and loopback addresses are where engines live and are allowed; link-local (which
-    includes the cloud metadata address 169.254.169.254), multicast and unspecified addresses,
-    metadata host names and any scheme but http(s) are refused unless an operator allows them.
+    Loopback (this machine's own services), link-local (which includes the cloud metadata
+    address 169.254.169.254), multicast and unspecified addresses, metadata host names and any
+    scheme but http(s) are refused unless an operator allows them. IPv4 is read the way a
+    resolver reads it, so ``2852039166`` and ``0xa9fea9fe`` are 169.254.169.254 here too. A
+    host name is checked again where it counts, against the address actually connected to
+    (``gateway.upstream_client``).
     """
     try:
         parts = urlsplit(url)
@@ -252,12 +273,19 @@ def upstream_url_problem(url: str) -> str | None:
         return "has no host"
     if host in _METADATA_HOSTS:
         return "points at a cloud metadata service"
+    if host == "localhost" or host.endswith(".localhost"):
+        return "points at this machine (loopback)"
     try:
-        address = ipaddress.ip_address(host)
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
     except ValueError:
-        return None
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None  # a host name: checked at connect time
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
+    if address.is_loopback:
+        return "points at this machine (loopback)"
     if address.is_link_local:
         return "points at a link-local address (cloud metadata lives there)"
     if address.is_multicast or address.is_unspecified or address.is_reserved:

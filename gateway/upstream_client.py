@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
 import ssl
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from enum import StrEnum
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -35,12 +38,51 @@ HIGH_WATER = 256 * 1024
 DNS_TTL_S = 60.0
 
 
+class AddressPolicy(StrEnum):
+    """Which addresses a connection may end at, checked against the address actually
+    connected to (after resolution), so neither a DNS name nor a numeric trick reaches what
+    a URL's text seemed to avoid."""
+
+    ANY = "any"  # the operator named it in their own configuration, or allowed it on purpose
+    NODE = "node"  # an engine on a GPU node: private and loopback are normal; metadata is not
+    PUBLIC = "public"  # an Endpoint row: not this machine, and not the metadata service either
+
+
+# Cloud metadata services outside the link-local range (which holds 169.254.169.254).
+_METADATA_ADDRESSES: Final = frozenset(
+    {ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.100.100.200")}
+)
+
+
+def address_problem(address: str, policy: AddressPolicy | str) -> str | None:
+    """Why a connection must not be made to ``address`` under ``policy``, or None."""
+    if policy == AddressPolicy.ANY:
+        return None
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])
+    except ValueError:
+        return f"{address!r} is not an IP address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_link_local or ip in _METADATA_ADDRESSES:
+        return f"{ip} is link-local or a cloud metadata address"
+    if ip.is_multicast or ip.is_unspecified or ip.is_reserved:
+        return f"{ip} is no address an upstream can have"
+    if policy == AddressPolicy.PUBLIC and ip.is_loopback:
+        return f"{ip} is this machine (loopback)"
+    return None
+
+
 class UpstreamError(Exception):
     """The upstream failed below HTTP: nothing came back that can be relayed."""
 
 
 class Unreachable(UpstreamError):
     """No connection could be made (refused, unroutable, name unknown, connect deadline)."""
+
+
+class Forbidden(Unreachable):
+    """The upstream's address is one this upstream may not reach (see AddressPolicy)."""
 
 
 class Dropped(UpstreamError):
@@ -303,8 +345,14 @@ class _Connection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections per origin, for one event loop."""
 
-    def __init__(self, *, keepalive_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        keepalive_s: float,
+        resolver: Callable[[str, int], Awaitable[list[str]]] | None = None,
+    ) -> None:
         self.keepalive_s = keepalive_s
+        self._resolver = resolver or _getaddrinfo
         self._idle: dict[Origin, list[_Connection]] = {}
         self._origins: dict[str, Origin] = {}
         self._addresses: dict[tuple[str, int], tuple[str, float]] = {}
@@ -319,14 +367,18 @@ class Pool:
         headers: bytes,
         *,
         connect_timeout: float,
+        addresses: AddressPolicy | str = AddressPolicy.ANY,
     ) -> Response:
         """Send ``POST path`` with ``body`` and return once the answer's status and headers
         are in. ``headers`` are complete header lines (``Name: value\\r\\n``) without Host and
-        Content-Length. Raises ``Unreachable``, ``Dropped`` or ``Broken``."""
+        Content-Length. A new connection is made only to an address ``addresses`` allows.
+        Raises ``Unreachable`` (``Forbidden``), ``Dropped`` or ``Broken``."""
         origin = self._origins.get(base_url)
         if origin is None:
             origin = self._origins[base_url] = Origin.of(base_url)
-        connection = self._reuse(origin) or await self._connect(origin, connect_timeout)
+        connection = self._reuse(origin) or await self._connect(
+            origin, connect_timeout, AddressPolicy(addresses)
+        )
         head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
             origin.path_prefix,
             path.encode(),
@@ -362,13 +414,19 @@ class Pool:
             return connection
         return None
 
-    async def _connect(self, origin: Origin, deadline_s: float) -> _Connection:
+    async def _connect(
+        self, origin: Origin, deadline_s: float, policy: AddressPolicy = AddressPolicy.ANY
+    ) -> _Connection:
         loop = asyncio.get_running_loop()
         connection = _Connection(self, origin)
         tls = self._tls_context() if origin.scheme == "https" else None
         try:
             async with asyncio.timeout(deadline_s):
                 address = await self._resolve(origin)
+                # The address the socket will connect to, not the URL's text, is what counts.
+                problem = address_problem(address, policy)
+                if problem is not None:
+                    raise Forbidden(f"{origin.host} resolves to {problem}; not connecting")
                 await loop.create_connection(
                     lambda: connection,
                     address,
@@ -387,12 +445,10 @@ class Pool:
         now = time.monotonic()
         if cached is not None and now < cached[1]:
             return cached[0]
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            origin.host, origin.port, type=socket.SOCK_STREAM
-        )
-        if not infos:
+        addresses = await self._resolver(origin.host, origin.port)
+        if not addresses:
             raise OSError(f"no address for {origin.host}")
-        address = str(infos[0][4][0])
+        address = addresses[0]
         self._addresses[key] = (address, now + DNS_TTL_S)
         return address
 
@@ -419,6 +475,11 @@ class Pool:
             connection._abort()
         self._open.clear()
         self._idle.clear()
+
+
+async def _getaddrinfo(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
 
 
 def header_lines(headers: dict[str, str]) -> bytes:

@@ -34,6 +34,7 @@ from control import serving
 from gateway import dbthread, routing
 from gateway.errors import ApiError
 from gateway.models import Endpoint
+from gateway.upstream_client import AddressPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,11 @@ def load_table(version: int = 0) -> routing.Table:
     ]
     profiles = {entry.id: set(entry.profiles) for entry in snapshot.models if entry.profiles}
     replicas = [
-        routing.ReplicaRow(r.id, r.model_id, r.profile, r.host, r.port) for r in snapshot.replicas
+        routing.ReplicaRow(r.id, r.model_id, r.profile, r.host, r.port, key=r.engine_key)
+        for r in snapshot.replicas
     ]
 
+    # Static endpoints come from the operator's own configuration: any address they name.
     endpoints = [
         routing.EndpointRow(f"static:{e.id}", e.url, e.models)
         for e in settings.LLMGW_STATIC_ENDPOINTS
@@ -76,7 +79,15 @@ def load_table(version: int = 0) -> routing.Table:
             logger.warning("endpoint %s: URL %s; not routed", slug, problem)
             continue
         endpoints.append(
-            routing.EndpointRow(f"endpoint:{slug}", url, tuple(str(n) for n in names), weight)
+            routing.EndpointRow(
+                f"endpoint:{slug}",
+                url,
+                tuple(str(n) for n in names),
+                weight,
+                # Checked again against the address each connection actually reaches, so a
+                # name that resolves to a metadata or loopback address is refused too.
+                addresses=AddressPolicy.ANY if allow_private else AddressPolicy.PUBLIC,
+            )
         )
     return routing.build_table(catalog, replicas, endpoints, profiles=profiles, version=version)
 

@@ -248,6 +248,19 @@ LLMGW_AGENT_REVISION_POLL: float = _read(
     env_float, "LLMGW_AGENT_REVISION_POLL", 0.0 if REDIS_URL else 0.25
 )
 LLMGW_DRAIN_TIMEOUT: float = _read(env_float, "LLMGW_DRAIN_TIMEOUT", 60.0)
+# The gRPC agent listener (``manage.py serve_agents_grpc``; ``manage.py run`` starts it when
+# this is set), its TLS material (``manage.py init_ca`` writes it here), and whether it admits
+# only nodes with a client certificate from that CA (then the certificate is the identity).
+LLMGW_AGENT_LISTEN: str = env_str(ENV, "LLMGW_AGENT_LISTEN", "")
+LLMGW_AGENT_REQUIRE_IDENTITY: bool = _read(env_bool, "LLMGW_AGENT_REQUIRE_IDENTITY", False)
+LLMGW_CA_DIR = Path(env_str(ENV, "LLMGW_CA_DIR", str(VAR_DIR / "ca")))
+# What one node may cost the store: messages a stream may send per second (sustained, and in
+# a burst), and Event rows its reports may write per minute.
+LLMGW_AGENT_MESSAGES_PER_SECOND: float = _read(
+    env_float, "LLMGW_AGENT_MESSAGES_PER_SECOND", 20.0, minimum=0.1
+)
+LLMGW_AGENT_MESSAGE_BURST: int = _read(env_int, "LLMGW_AGENT_MESSAGE_BURST", 200, minimum=1)
+LLMGW_NODE_EVENTS_PER_MINUTE: int = _read(env_int, "LLMGW_NODE_EVENTS_PER_MINUTE", 60, minimum=1)
 # Relay deadlines (seconds); models may override each.
 LLMGW_CONNECT_TIMEOUT: float = _read(env_float, "LLMGW_CONNECT_TIMEOUT", 5.0, minimum=0.01)
 LLMGW_FIRST_BYTE_TIMEOUT: float = _read(env_float, "LLMGW_FIRST_BYTE_TIMEOUT", 120.0, minimum=0.01)

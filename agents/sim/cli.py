@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -39,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=None, help="seed for the fail and hang draws")
     add("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     add("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get")
+    add(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY", ""),
+        help="refuse /v1 calls without this bearer key, as vLLM does (default: VLLM_API_KEY; "
+        "the environment keeps it out of the process list)",
+    )
     add("--log-level", default="INFO")
     return parser
 
@@ -64,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace=args.shutdown_grace,
+        api_key=args.api_key,
         exit_on_crash=True,
     )
 

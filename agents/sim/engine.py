@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -52,6 +53,8 @@ log = logging.getLogger("agents.sim")
 CRASH_EXIT_CODE: Final = 70  # EX_SOFTWARE: the engine died, as its supervisor sees it
 VLLM_VERSION: Final = "0.11.0+sim"
 _MAX_CHOICES: Final = 128
+# Paths that need the API key when one is set (vLLM guards /v1 the same way).
+_KEYED_PATHS: Final = ("/v1/", "/sim/")
 _KINDS: Final = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
@@ -94,6 +97,9 @@ class SimConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     max_header_bytes: int = 64 * 1024
     shutdown_grace: float = 5.0
+    # As vLLM's --api-key: /v1 (and the fault switch) answer 401 without
+    # ``Authorization: Bearer <key>``; health, version and metrics stay open.
+    api_key: str = ""
     # The CLI exits the process; an in-process server only drops its connections and stops
     # listening, because exiting would take the test runner down with it.
     exit_on_crash: bool = False
@@ -209,6 +215,7 @@ class SimServer:
         self._ready_at = 0.0
         self._stopping = False
         self._created = int(time.time())
+        self._bearer = f"Bearer {config.api_key}".encode()
         inference = {"POST": self._inference}
         self._routes = {
             "/health": {"GET": self._health},
@@ -331,6 +338,10 @@ class SimServer:
             raise detail(405, "Method Not Allowed", headers=(("allow", ", ".join(methods)),))
         if self._stopping:
             raise HttpError(503, "The server is shutting down", close=True)
+        if self.config.api_key and request.path.startswith(_KEYED_PATHS):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self._bearer):
+                raise HttpError(401, "Unauthorized")
         handler(conn, request)
 
     def _require_ready(self) -> None:

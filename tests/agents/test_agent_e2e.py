@@ -22,6 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
+import openai
 import pytest
 import redis as redis_client
 from django.db import transaction
@@ -32,10 +34,23 @@ from pytest_django import DjangoDbBlocker
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from agents import grpc_wire
+from agents.agent_pb2 import AgentFrame
 from agents.protocol import NODE_HEADER, CloseCode, Hello, encode
-from control import health, node_tokens, nudges
+from control import health, node_certs, node_tokens, nudges
 from control.models import Event, Lease, Node, Profile, Replica, ServedModel, Shard
-from tests.harness.cluster import Agent, Cluster, heartbeat_after, node_health
+from gateway.models import UsageRecord
+from tests.harness.cluster import (
+    GRPC,
+    WEBSOCKET,
+    Agent,
+    Cluster,
+    agent_url,
+    grpc_listener,
+    heartbeat_after,
+    node_health,
+)
+from tests.harness.factories import make_key
 from tests.harness.procs import alive, connections_to, free_port
 from tests.harness.store import module_store
 from tests.harness.waits import wait_until
@@ -54,13 +69,19 @@ WEB_SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[WEBSOCKET, GRPC], ids=["websocket", "grpc-mtls"])
 def cluster(
-    django_db_setup: None, django_db_blocker: DjangoDbBlocker, tmp_path_factory: Any
+    request: pytest.FixtureRequest,
+    django_db_setup: None,
+    django_db_blocker: DjangoDbBlocker,
+    tmp_path_factory: Any,
 ) -> Iterator[Cluster]:
-    """The web process and agents n1 and n2, started once for the module."""
+    """The web process and agents n1 and n2, started once for each transport: WebSocket with
+    node tokens, and gRPC with mutual TLS (node certificates from the cluster's CA)."""
     with module_store(django_db_blocker):
-        c = Cluster(tmp_path_factory.mktemp("agents-e2e"), settings=WEB_SETTINGS)
+        c = Cluster(
+            tmp_path_factory.mktemp("agents-e2e"), settings=WEB_SETTINGS, transport=request.param
+        )
         try:
             c.start_redis()
             c.add_control_plane(reconciler=False)
@@ -93,6 +114,13 @@ def fleet(cluster: Cluster, settings: Any) -> Cluster:
     return cluster
 
 
+@pytest.fixture
+def websocket_only(cluster: Cluster) -> None:
+    """A test of the WebSocket transport's own handshake and frames (gRPC's have theirs)."""
+    if cluster.transport != WEBSOCKET:
+        pytest.skip("WebSocket transport only; the gRPC listener has its own tests")
+
+
 def highest_epoch_seen(agent: Agent) -> int:
     """The highest leader epoch the agent has accepted (it keeps it across restarts)."""
     try:
@@ -114,7 +142,8 @@ def reset(cluster: Cluster) -> None:
             service.stop()
     cluster.control_planes[1:] = []
     web = primary.web
-    if web is None or not web.running() or dict(web.env) != primary.env:
+    grpc_down = cluster.transport == GRPC and not (primary.grpc and primary.grpc.running())
+    if web is None or not web.running() or dict(web.env) != primary.env or grpc_down:
         primary.start_web()
     highest = max(highest_epoch_seen(a) for a in cluster.agents.values())
     with transaction.atomic():
@@ -132,8 +161,8 @@ def reset(cluster: Cluster) -> None:
         for node_id in Node.objects.values_list("pk", flat=True):
             nudges.nudge_node(node_id)
     for agent in cluster.agents.values():
-        if not Node.objects.filter(name=agent.name).exclude(token_hash="").exists():
-            cluster.issue_token(agent)
+        if not cluster.has_credentials(agent.name):
+            cluster.issue_credentials(agent)
         proc = agent.proc
         if proc is None or not proc.running() or list(proc.argv) != agent.argv:
             if proc is not None:
@@ -206,10 +235,31 @@ def wait_observed(cluster: Cluster, shard: Shard, state: str) -> None:
     )
 
 
-def chat(port: int, model: str = "tiny", **kw: Any) -> Any:
-    client = OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+def engine_key(port: int) -> str:
+    """The engine API key of the live replica whose shard listens on ``port``."""
+    key = (
+        Replica.objects.filter(shards__port=port)
+        .exclude(desired="stopped")
+        .order_by("-pk")
+        .values_list("engine_key", flat=True)
+        .first()
     )
+    assert key, f"no replica on port {port}"
+    return str(key)
+
+
+def engine_client(port: int, key: str | None = None) -> OpenAI:
+    """The engine itself, as only the gateway may call it: with the replica's key."""
+    return OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        api_key=engine_key(port) if key is None else key,
+        max_retries=0,
+        timeout=60,
+    )
+
+
+def chat(port: int, model: str = "tiny", **kw: Any) -> Any:
+    client = engine_client(port)
     return client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hello there"}], **kw
     )
@@ -227,7 +277,7 @@ def stream_of(cluster: Cluster, name: str) -> set[int]:
     """The agent's stream to the web process, as a socket (an inode) the kernel knows."""
     proc = cluster.agents[name].proc
     assert proc is not None
-    return connections_to(proc.pid, cluster.control_planes[0].port)
+    return connections_to(proc.pid, cluster.control_planes[0].agent_port)
 
 
 def boot_id(name: str) -> str:
@@ -402,11 +452,14 @@ def test_an_agent_fails_over_between_control_planes(fleet: Cluster) -> None:
     primary = fleet.control_planes[0]
     standby_port = free_port()
     # The first address has nobody behind it yet.
-    agent.start(urls=[f"http://127.0.0.1:{standby_port}", primary.url])
+    agent.start(urls=[agent_url(fleet.transport, standby_port), primary.agent_url])
     pid = wait_until(lambda: agent.shard_pids().get(shard.pk), what="restarted")
     wait_observed(fleet, shard, "ready")
 
-    standby = fleet.add_control_plane(reconciler=False, port=standby_port)
+    if fleet.transport == GRPC:
+        standby = fleet.add_control_plane(reconciler=False, agent_port=standby_port)
+    else:
+        standby = fleet.add_control_plane(reconciler=False, port=standby_port)
     primary.stop_web()
     moved = place(fleet, "n1", model="m2")  # only the standby can deliver it
     wait_observed(fleet, moved, "ready")
@@ -519,9 +572,7 @@ def test_a_drain_lets_requests_in_flight_finish_and_keeps_their_weights(fleet: C
     shard = place(fleet, "n1", args=("--itl-ms", "60"))
     wait_observed(fleet, shard, "ready")
 
-    client = OpenAI(
-        base_url=f"http://127.0.0.1:{shard.port}/v1", api_key="x", max_retries=0, timeout=60
-    )
+    client = engine_client(shard.port)
     stream = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "go"}], max_tokens=40, stream=True
     )
@@ -582,7 +633,7 @@ def _handshake(cluster: Cluster, token: str | None, node: str) -> Any:
 
 
 def test_bad_tokens_are_refused_at_the_handshake_and_revocation_ends_a_stream(
-    fleet: Cluster,
+    fleet: Cluster, websocket_only: None
 ) -> None:
     """N13: no token, a wrong token, and node n1's token claiming n2 are refused with HTTP 403
     before any stream exists. Revoking n2's token closes its stream and the token no longer
@@ -629,7 +680,7 @@ def test_bad_tokens_are_refused_at_the_handshake_and_revocation_ends_a_stream(
 
 
 def test_bad_frames_get_clear_close_codes_and_other_agents_are_unaffected(
-    fleet: Cluster,
+    fleet: Cluster, websocket_only: None
 ) -> None:
     token = node_tokens.issue_node_token("n3")
     hello = encode(Hello(node="n3", boot_id="b", agent_version="test"))
@@ -751,9 +802,7 @@ def test_the_llamacpp_recipe_serves_a_real_model(fleet: Cluster) -> None:
     assert answer.object == "chat.completion"
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage.completion_tokens >= 6
-    client = OpenAI(
-        base_url=f"http://127.0.0.1:{shard.port}/v1", api_key="x", max_retries=0, timeout=60
-    )
+    client = engine_client(shard.port)
     chunks = list(
         client.chat.completions.create(
             model="tiny-llama",
@@ -790,3 +839,268 @@ def test_generation_bump_restarts_a_failed_shard(fleet: Cluster) -> None:
     wait_observed(fleet, shard, "ready")
     (again,) = agent.engines()[shard.pk]
     assert again != crashed and agent.shard_pids() == {shard.pk: again}
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def test_an_engine_answers_401_without_its_replicas_key_and_serves_through_the_gateway(
+    fleet: Cluster,
+) -> None:
+    """Whoever reaches the node reaches the engine's port, but not its API: only the gateway
+    holds the replica's key. The agent's own readiness polls use it too (the shard got
+    ready), and the gateway's requests carry it."""
+    shard = place(fleet, "n1")
+    wait_observed(fleet, shard, "ready")
+    for wrong in ("", "unused", engine_key(shard.port)[:-1]):
+        with pytest.raises(openai.AuthenticationError):
+            engine_client(shard.port, key=wrong or "x").chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
+    assert chat(shard.port, max_tokens=2).usage.completion_tokens == 2
+
+    key, _ = make_key("engine-key-test")
+    gateway = OpenAI(
+        base_url=fleet.control_planes[0].url + "/v1", api_key=key, max_retries=0, timeout=60
+    )
+    answer = wait_until(
+        lambda: _through(gateway), what="the gateway routes to the shard", logs=fleet.processes()
+    )
+    assert answer.choices[0].message.content == "tok1 tok2 tok3"
+    wait_until(
+        lambda: UsageRecord.objects.filter(
+            upstream=f"replica:{shard.replica_id}", status=200
+        ).exists(),
+        what="the request recorded against the replica",
+        logs=fleet.processes(),
+    )
+
+
+def _through(gateway: OpenAI) -> Any:
+    try:
+        return gateway.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+    except openai.APIStatusError as exc:
+        if exc.status_code in (429, 503):  # the routing table has not seen the shard yet
+            return None
+        raise
+
+
+AGENT_SECRETS = {
+    "REDIS_URL": "redis://:hunter2@10.9.9.9:6379/0",
+    "LLMGW_METRICS_TOKEN": "metrics-token-secret",
+    "LLMGW_NODE_TOKEN": "llmgw_node_not-the-real-one-but-secret",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-access-key",
+    "GOOGLE_APPLICATION_CREDENTIALS": "/secret/gcp.json",
+}
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
+
+
+def test_an_engines_environment_holds_none_of_the_agents_secrets(fleet: Cluster) -> None:
+    """An agent running with credentials in its environment starts engines that see none
+    of them: /proc/PID/environ of the engine, as the kernel holds it."""
+    agent = fleet.agents["n2"]
+    assert agent.proc is not None
+    plain = dict(agent.env)
+    agent.proc.stop()
+    agent.env.update(AGENT_SECRETS)
+    try:
+        agent.start()
+        shard = place(fleet, "n2")
+        wait_observed(fleet, shard, "ready")
+        (pid,) = agent.engines()[shard.pk]
+        assert set(AGENT_SECRETS) <= set(environ(agent.proc.pid))  # the agent has them
+        seen = environ(pid)
+        assert not set(AGENT_SECRETS) & set(seen)
+        assert not any(value in "\0".join(seen.values()) for value in AGENT_SECRETS.values())
+        assert seen["VLLM_API_KEY"] == engine_key(shard.port)  # its own key, nobody else's
+        assert seen["LLMGW_SHARD_ID"] == str(shard.pk)
+    finally:
+        agent.proc.stop()
+        agent.env.clear()
+        agent.env.update(plain)
+        agent.start()
+
+
+# --------------------------------------------------------------------------- revocation
+
+
+def test_revoked_credentials_end_the_open_stream_at_the_resync_without_a_channel_layer(
+    fleet: Cluster,
+) -> None:
+    """No Redis: the web process (and the gRPC listener) cannot be told of the revocation by a
+    nudge, since this test process is another process. The stream ends anyway, at its next
+    resync; the agent's shards keep running; new credentials let it back in."""
+    plane = fleet.control_planes[0]
+    plane.start_web(REDIS_URL="", LLMGW_AGENT_RESYNC_INTERVAL="2")
+    agent = fleet.agents["n2"]
+    assert agent.proc is not None
+    restarted = timezone.now()
+    wait_until(lambda: heartbeat_after("n2", restarted), what="n2 reconnected")
+    shard = place(fleet, "n2")
+    wait_observed(fleet, shard, "ready")
+    pid = agent.shard_pids()[shard.pk]
+    stream = stream_of(fleet, "n2")
+    assert stream
+    if fleet.transport == GRPC:
+        assert node_certs.revoke_node_cert("n2")
+    else:
+        assert node_tokens.revoke_node_token("n2")
+    wait_until(
+        lambda: not stream_of(fleet, "n2") & stream,
+        what="n2's stream closed by the resync's check",
+        logs=fleet.processes(),
+    )
+    assert agent.proc.running() and agent.shard_pids() == {shard.pk: pid}
+    assert chat(shard.port, max_tokens=1).choices
+
+    reissued = timezone.now()
+    fleet.issue_credentials(agent)
+    wait_until(
+        lambda: heartbeat_after("n2", reissued) and stream_of(fleet, "n2"),
+        what="the agent back in with new credentials",
+        logs=[agent.proc],
+    )
+    assert agent.shard_pids() == {shard.pk: pid}
+
+
+# --------------------------------------------------------------------------- gRPC + mTLS
+
+
+@pytest.fixture
+def grpc_only(cluster: Cluster) -> None:
+    if cluster.transport != GRPC:
+        pytest.skip("the gRPC listener only")
+
+
+def grpc_stream(
+    cluster: Cluster,
+    node: str,
+    *,
+    tls: tuple[Path, Path, Path] | None,
+    claimed: str | None = None,
+    plaintext: bool = False,
+) -> list[dict[str, Any]]:
+    """Open a stream as ``node`` (its hello), half-close, and return what came back; raises
+    grpc.RpcError with the call's status when the listener refuses or ends it."""
+    target = f"127.0.0.1:{cluster.control_planes[0].agent_port}"
+    if plaintext:
+        channel = grpc.insecure_channel(target)
+    else:
+        assert tls is not None
+        ca, cert, key = tls
+        credentials = grpc.ssl_channel_credentials(
+            ca.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
+        )
+        channel = grpc.secure_channel(target, credentials)
+    hello = grpc_wire.to_frame(Hello(node=node, boot_id="b", agent_version="t"), AgentFrame)
+    metadata = [(grpc_wire.NODE_KEY, claimed)] if claimed else []
+    with channel:
+        call = channel.stream_stream(
+            grpc_wire.METHOD,
+            request_serializer=grpc_wire.serialize,
+            response_deserializer=grpc_wire.parse_server_frame,
+        )
+        frames = call(iter([hello]), metadata=metadata, timeout=30)
+        return [json.loads(grpc_wire.frame_to_text(f)) for f in frames]
+
+
+def node_tls(cluster: Cluster, name: str, ca_dir: Path | None = None) -> tuple[Path, Path, Path]:
+    out = cluster.root / "extra-certs" / name
+    node_certs.issue_node_cert(name, ca_dir or cluster.ca_dir, out)
+    return cluster.ca_dir / node_certs.CA_CERT, out / f"{name}.pem", out / f"{name}.key"
+
+
+def test_with_identity_required_only_a_valid_certificate_of_the_named_node_is_served(
+    fleet: Cluster, grpc_only: None, tmp_path: Path
+) -> None:
+    """Mutual TLS: a certificate of the cluster CA is the node's identity (no token). One of
+    another CA, another node's, none at all, or plaintext: refused. The real agents, which
+    hold valid ones, are served throughout."""
+    tls = node_tls(fleet, "n3")
+    frames = grpc_stream(fleet, "n3", tls=tls)
+    assert [f["type"] for f in frames[:2]] == ["welcome", "desired"]
+    assert Node.objects.get(name="n3").health == "ready"
+
+    # A certificate from another CA, even for a node whose row names its serial.
+    other = tmp_path / "other-ca"
+    node_certs.init_ca(other, ["localhost", "127.0.0.1"])
+    _, cert, key = node_tls(fleet, "n3", ca_dir=other)
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=(tls[0], cert, key))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # the TLS handshake failed
+
+    # Node n4's certificate presenting as n3: at the call, and in the hello.
+    tls = node_tls(fleet, "n3")
+    n4 = node_tls(fleet, "n4")
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=n4, claimed="n3")
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=n4)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert dict(refused.value.trailing_metadata())[grpc_wire.CLOSE_CODE_KEY] == str(
+        int(CloseCode.FORBIDDEN)
+    )
+
+    # No client certificate, and no TLS at all.
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=(tls[0], None, None))  # type: ignore[arg-type]
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=None, plaintext=True)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # A revoked certificate opens nothing.
+    assert node_certs.revoke_node_cert("n3")
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_stream(fleet, "n3", tls=tls)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    for name in ("n1", "n2"):
+        assert node_health(name) == "ready"
+    for plane in fleet.control_planes:
+        for proc in plane.services():
+            assert "Traceback" not in proc.log()
+
+
+def test_without_identity_required_the_grpc_listener_takes_node_tokens(
+    fleet: Cluster, grpc_only: None, tmp_path: Path
+) -> None:
+    """A listener without a CA (loopback, plaintext) authenticates by node token, as the
+    WebSocket handshake does: a valid token is served, a wrong or another node's is not."""
+    plane = fleet.control_planes[0]
+    env = {**plane.env, "LLMGW_AGENT_REQUIRE_IDENTITY": "false", "LLMGW_CA_DIR": str(tmp_path)}
+    listener = grpc_listener("tokens-grpc", tmp_path / "logs", env, free_port())
+    try:
+        token = node_tokens.issue_node_token("n5")
+        other = node_tokens.issue_node_token("n6")
+        target = f"127.0.0.1:{listener.port}"
+
+        def stream(token: str, node: str = "n5") -> list[dict[str, Any]]:
+            hello = grpc_wire.to_frame(Hello(node=node, boot_id="b", agent_version="t"), AgentFrame)
+            with grpc.insecure_channel(target) as channel:
+                call = channel.stream_stream(
+                    grpc_wire.METHOD,
+                    request_serializer=grpc_wire.serialize,
+                    response_deserializer=grpc_wire.parse_server_frame,
+                )
+                metadata = [("authorization", f"Bearer {token}"), (grpc_wire.NODE_KEY, node)]
+                frames = call(iter([hello]), metadata=metadata, timeout=30)
+                return [json.loads(grpc_wire.frame_to_text(f)) for f in frames]
+
+        assert [f["type"] for f in stream(token)[:2]] == ["welcome", "desired"]
+        for bad in ("llmgw_node_" + "A" * 43, other, ""):
+            with pytest.raises(grpc.RpcError) as refused:
+                stream(bad)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert token not in listener.log() and "Traceback" not in listener.log()
+    finally:
+        listener.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from agents.engines import (
     weights_path,
 )
 from agents.gpus import parse_simulated
+from agents.links import GRPC, WEBSOCKET, parse_target
 from agents.plan import fingerprint
 from agents.protocol import DesiredShard, DesiredShardState, Engine, FailureClass
 
@@ -291,3 +293,136 @@ def test_the_agent_refuses_bad_configuration_at_start(
     assert result.returncode == 2
     assert words in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- where engines run
+
+
+SECRETS = {
+    "LLMGW_NODE_TOKEN": "llmgw_node_secret",
+    "REDIS_URL": "redis://:hunter2@cache:6379/0",
+    "LLMGW_METRICS_TOKEN": "metrics-secret",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret",
+    "AWS_ACCESS_KEY_ID": "AKIA-secret",
+    "GOOGLE_APPLICATION_CREDENTIALS": "/etc/gcp.json",
+    "DATABASE_URL": "postgres://u:p@db/x",
+}
+
+
+def test_engines_get_an_allowlisted_environment_never_the_agents_secrets() -> None:
+    base = {
+        **SECRETS,
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "HF_TOKEN": "hf_x",
+        "NCCL_DEBUG": "INFO",
+        "CUDA_HOME": "/usr/local/cuda",
+        "LC_ALL": "C.UTF-8",
+    }
+    env = launch(SHARD, CTX, base).env
+    assert not set(SECRETS) & set(env)
+    joined = " ".join(env.values())
+    assert not any(secret in joined for secret in SECRETS.values())
+    for kept in ("PATH", "HOME", "HF_TOKEN", "NCCL_DEBUG", "CUDA_HOME", "LC_ALL"):
+        assert env[kept] == base[kept]
+
+
+@pytest.mark.parametrize(
+    ("engine", "where"),
+    [
+        (Engine.SIM, ("env", "VLLM_API_KEY")),
+        (Engine.VLLM, ("env", "VLLM_API_KEY")),
+        (Engine.LLAMACPP, ("env", "API_KEY")),
+        (Engine.SGLANG, ("argv", "--api-key")),
+    ],
+)
+def test_each_engine_is_given_its_replicas_key_the_way_it_reads_one(
+    engine: Engine, where: tuple[str, str]
+) -> None:
+    shard = replace(SHARD, engine=engine, api_key="llmgw_engine_k")
+    plan = launch(shard, CTX, {"VLLM_API_KEY": "agent's own"})
+    kind, name = where
+    if kind == "env":
+        assert plan.env[name] == "llmgw_engine_k"
+        assert "llmgw_engine_k" not in plan.argv  # not in the process list
+    else:
+        assert plan.argv[plan.argv.index(name) + 1] == "llmgw_engine_k"
+    # A profile cannot switch the key off through its env.
+    profiled = launch(replace(shard, env={"VLLM_API_KEY": "", "API_KEY": ""}), CTX, {})
+    if kind == "env":
+        assert profiled.env[name] == "llmgw_engine_k"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ws://10.0.0.5:8000", "http://cp.example:8000", "grpc://10.0.0.5:9000"],
+)
+def test_a_control_plane_without_tls_off_loopback_is_refused(url: str) -> None:
+    transport = GRPC if "grpc" in url else WEBSOCKET
+    with pytest.raises(ValueError, match="has no TLS"):
+        parse_target(url, transport)
+    assert not parse_target(url, transport, insecure=True).tls  # the operator's choice
+
+
+@pytest.mark.parametrize(
+    ("url", "transport", "expected"),
+    [
+        ("http://127.0.0.1:8000", WEBSOCKET, "ws://127.0.0.1:8000/agents/stream"),
+        ("https://cp.example", WEBSOCKET, "wss://cp.example/agents/stream"),
+        ("http://localhost:9000", GRPC, "grpc://localhost:9000"),
+        ("https://cp.example:9443", GRPC, "grpcs://cp.example:9443"),
+        ("grpcs://[::1]:9443", GRPC, "grpcs://[::1]:9443"),
+    ],
+)
+def test_loopback_and_tls_urls_are_accepted(url: str, transport: str, expected: str) -> None:
+    assert parse_target(url, transport).url == expected
+
+
+def test_a_grpc_url_needs_the_listeners_port() -> None:
+    with pytest.raises(ValueError, match="port"):
+        parse_target("grpcs://cp.example", GRPC)
+
+
+def _plan(tmp_path: Path, *args: str) -> Any:
+    from agents.__main__ import build_parser, prepare
+
+    token = tmp_path / "token"
+    token.write_text("llmgw_node_" + "x" * 43)
+    token.chmod(0o600)
+    argv = ["--token-file", str(token), "--state-dir", str(tmp_path / "s")]
+    argv += ["--weights-dir", str(tmp_path / "w"), *args]
+    return prepare(build_parser().parse_args(argv))
+
+
+def test_engines_bind_the_address_the_node_is_reached_at_never_every_interface(
+    tmp_path: Path,
+) -> None:
+    """No --advertise-address: the node advertises the address it reaches the control plane
+    from (loopback for a local one), and its engines listen there only."""
+    plan = _plan(tmp_path, "--control-plane", "http://127.0.0.1:8000")
+    assert plan.connection.addresses == ("127.0.0.1",)
+    assert plan.supervisor.launch.host == "127.0.0.1"
+    given = _plan(tmp_path, "--control-plane", "http://127.0.0.1:8000", "--advertise-address",
+                  "10.1.2.3")  # fmt: skip
+    assert given.supervisor.launch.host == "10.1.2.3"
+
+
+def test_over_grpc_a_client_certificate_replaces_the_token(tmp_path: Path) -> None:
+    from agents.__main__ import build_parser, prepare
+
+    for name in ("ca.pem", "n1.pem", "n1.key"):
+        (tmp_path / name).write_text("-----BEGIN-----\n")
+    args = build_parser().parse_args(
+        [
+            "--transport", "grpc", "--control-plane", "grpcs://cp.example:9443",
+            "--tls-ca", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "n1.pem"),
+            "--tls-key", str(tmp_path / "n1.key"), "--advertise-address", "10.1.2.3",
+            "--state-dir", str(tmp_path / "s"), "--weights-dir", str(tmp_path / "w"),
+        ]
+    )  # fmt: skip
+    plan = prepare(args)
+    assert plan.connection.token == ""
+    assert plan.connection.urls == ("grpcs://cp.example:9443",)
+    args.tls_key = None
+    with pytest.raises(ValueError, match="go together"):
+        prepare(args)

@@ -311,3 +311,30 @@ def test_the_agents_package_imports_without_django() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) >= 6  # protocol, engines, gpus, shards, agent, __main__, sim
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "http://169.254.169.254",
+        "10.0.0.7:8000",
+        "10.0.0.7/latest/meta-data",
+        "user@10.0.0.7",
+        "2852039166",  # 169.254.169.254 to a resolver
+        "0xa9fea9fe",
+        "0251.0376.0251.0376",
+        "host name",
+        "",
+    ],
+)
+def test_a_node_address_must_be_a_bare_ip_or_host_name(address: str) -> None:
+    """The gateway builds engine URLs from these; nothing else may ride along."""
+    error = rejected(encode(replace(HELLO, addresses=("10.0.0.8", address))))
+    assert error.code is CloseCode.MALFORMED
+    assert "addresses[1]" in error.message
+
+
+@pytest.mark.parametrize("address", ["10.0.0.7", "fd00::7", "gpu-07.example.com", "gpu07"])
+def test_ips_and_host_names_are_node_addresses(address: str) -> None:
+    decoded = decode_agent_message(encode(replace(HELLO, addresses=(address,))))
+    assert isinstance(decoded, Hello) and decoded.addresses == (address,)

@@ -840,3 +840,36 @@ def test_sim_thread_start_raises_when_the_port_is_taken() -> None:
         probe.listen()
         with pytest.raises(OSError):
             SimThread(SimConfig(port=taken)).start()
+
+
+async def test_with_an_api_key_v1_answers_401_without_it_and_health_stays_open(
+    start_sim: Starter,
+) -> None:
+    """As vLLM's --api-key: the engine serves only callers holding its key (the gateway)."""
+    sim = await start_sim(api_key="k-123")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sim.port}", timeout=60) as http:
+        body = {"model": MODEL, "messages": USER, "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k-123"}):
+            refused = await http.post("/v1/chat/completions", json=body, headers=headers)
+            assert refused.status_code == 401
+        assert (await http.get("/v1/models")).status_code == 401
+        assert (await http.post("/sim/faults", json={})).status_code == 401
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/metrics")).status_code == 200
+    async with openai.AsyncOpenAI(base_url=sim.base_url, api_key="k-123", max_retries=0) as c:
+        answer = await c.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    assert answer.usage is not None and answer.usage.completion_tokens == 2
+
+
+def test_the_command_line_takes_the_key_from_the_environment_as_vllm_does() -> None:
+    from agents.sim.cli import build_parser, config_from_args
+
+    env = dict(os.environ, VLLM_API_KEY="from-env")
+    old = os.environ.copy()
+    os.environ.update(env)
+    try:
+        config = config_from_args(build_parser().parse_args([]))
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert config.api_key == "from-env"

@@ -270,6 +270,53 @@ def test_hello_registers_the_node_and_its_gpus() -> None:
 
 
 @db
+def test_a_report_sent_again_writes_no_second_event(settings: Any) -> None:
+    """A reconnecting agent re-sends every shard and its weights outcomes: nothing new
+    happened, so nothing new is written to the audit log."""
+    node, _ = issue_node("n1")
+    shard = shard_on(node)
+    failed = report(shard, ShardState.FAILED, exit_code=70, failure_class=FailureClass.CRASH)
+    refused = agent_reports.NodeReport(
+        weights=(WeightsReport("org/m", WeightsState.REFUSED, "in use by shard(s) 1"),),
+        stale_rejected=1,
+    )
+    before = Event.objects.count()
+    for _ in range(3):
+        agent_reports.record_status(node.pk, [failed], refused)
+    kinds = list(Event.objects.order_by("pk").values_list("message", flat=True)[before:])
+    assert len(kinds) == 3, kinds  # the failure, the weights refusal, the stale count: once
+    worse = agent_reports.NodeReport(stale_rejected=2)
+    agent_reports.record_status(node.pk, [], worse)
+    assert Event.objects.count() == before + 4  # a change is recorded
+
+
+@db
+def test_one_node_cannot_write_more_than_its_cap_of_events_a_minute(settings: Any) -> None:
+    settings.LLMGW_NODE_EVENTS_PER_MINUTE = 5
+    issue_node("n1")
+    issue_node("n2")
+    now = timezone.now()
+    written = [
+        agent_reports.agent_event(
+            "n1", now, kind=Event.Kind.NODE, subject="node/n1", message=f"event {i}"
+        )
+        for i in range(50)
+    ]
+    assert written == [True] * 5 + [False] * 45
+    mine = Event.objects.filter(data__reported_by="n1")
+    assert mine.count() == 6  # five, and one saying the rest are dropped
+    assert mine.filter(message__contains="further events are dropped").count() == 1
+    # Another node is not affected, and a minute later n1 may write again.
+    assert agent_reports.agent_event(
+        "n2", now, kind=Event.Kind.NODE, subject="node/n2", message="fine"
+    )
+    later = now + timedelta(minutes=1, seconds=1)
+    assert agent_reports.agent_event(
+        "n1", later, kind=Event.Kind.NODE, subject="node/n1", message="again"
+    )
+
+
+@db
 def test_status_updates_shards_and_their_replica() -> None:
     node, _ = issue_node("n1")
     other, _ = issue_node("n2")
@@ -467,9 +514,10 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock: FakeClock, settings: Any
 ) -> None:
     settings.LLMGW_AGENT_RESYNC_INTERVAL = 10
-    node, _ = await database_sync_to_async(issue_node)("n1")
+    _, token = await database_sync_to_async(issue_node)("n1")
     transport = FakeTransport()
-    session = AgentSession(node_tokens.NodeIdentity(node.pk, "n1"), transport, clock=fake_clock)
+    identity = await database_sync_to_async(node_tokens.authenticate)(token, "n1")
+    session = AgentSession(identity, transport, clock=fake_clock)
     await session.tick()
     assert transport.sent == []  # nothing before hello
     await session.receive(encode(hello()))
@@ -481,6 +529,49 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock.advance(1)
     await session.tick()
     assert json.loads(transport.sent[-1])["type"] == "desired" and len(transport.sent) == 3
+
+
+@committed
+async def test_a_revoked_token_ends_the_open_stream_at_the_next_resync_without_any_nudge(
+    fake_clock: FakeClock, settings: Any
+) -> None:
+    """Revocation bites on every process: the session re-checks its credential against the
+    store at each resync, so no channel layer is needed to carry the news."""
+    settings.LLMGW_AGENT_RESYNC_INTERVAL = 10
+    settings.CHANNEL_LAYERS = {}  # nothing could deliver a nudge
+    _, token = await database_sync_to_async(issue_node)("n1")
+    identity = await database_sync_to_async(node_tokens.authenticate)(token, "n1")
+    transport = FakeTransport()
+    session = AgentSession(identity, transport, clock=fake_clock)
+    await session.receive(encode(hello()))
+    assert await database_sync_to_async(node_tokens.revoke_node_token)("n1")
+    fake_clock.advance(9)
+    await session.tick()
+    assert transport.closed is None  # not before the resync is due
+    fake_clock.advance(1)
+    await session.tick()
+    assert transport.closed is not None and transport.closed[0] == CloseCode.UNAUTHORIZED
+    assert "revoked" in json.loads(transport.sent[-1])["message"]
+
+
+@committed
+async def test_a_stream_that_sends_too_fast_is_closed_with_the_rate_limit_code(
+    settings: Any,
+) -> None:
+    settings.LLMGW_AGENT_MESSAGES_PER_SECOND = 1
+    settings.LLMGW_AGENT_MESSAGE_BURST = 20
+    _, token = await database_sync_to_async(issue_node)("n1")
+    identity = await database_sync_to_async(node_tokens.authenticate)(token, "n1")
+    transport = FakeTransport()
+    frozen = FakeClock()
+    session = AgentSession(identity, transport, clock=frozen)
+    await session.receive(encode(hello()))
+    for seq in range(19):  # the burst, hello included
+        await session.receive(encode(Heartbeat(seq=seq)))
+    assert transport.closed is None
+    await session.receive(encode(Heartbeat(seq=99)))
+    assert transport.closed is not None and transport.closed[0] == CloseCode.RATE_LIMITED
+    assert "messages a second" in json.loads(transport.sent[-1])["message"]
 
 
 @committed

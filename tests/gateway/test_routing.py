@@ -125,11 +125,28 @@ def test_metadata_link_local_and_odd_schemes_are_refused(url: str) -> None:
     assert routing.upstream_url_problem(url) is not None
 
 
-@pytest.mark.parametrize(
-    "url", ["http://127.0.0.1:8000", "http://10.0.0.5:8000/v1", "https://engine.internal"]
-)
-def test_loopback_private_and_named_hosts_are_allowed(url: str) -> None:
+@pytest.mark.parametrize("url", ["http://10.0.0.5:8000/v1", "https://engine.internal"])
+def test_private_and_named_hosts_are_allowed(url: str) -> None:
     assert routing.upstream_url_problem(url) is None
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://2852039166/",  # 169.254.169.254 as one decimal number
+        "http://0xa9fea9fe/",  # ... in hex
+        "http://0251.0376.0251.0376/",  # ... in octal
+        "http://127.0.0.1:8000",
+        "http://2130706433:8000",  # 127.0.0.1 as one number
+        "http://localhost:8000",
+        "http://[::ffff:127.0.0.1]/",
+    ],
+)
+def test_numeric_forms_of_metadata_and_loopback_are_refused_as_resolvers_read_them(
+    url: str,
+) -> None:
+    """A resolver reads these as the addresses they encode; so does the check."""
+    assert routing.upstream_url_problem(url) is not None
 
 
 def test_ipv6_hosts_get_brackets() -> None:

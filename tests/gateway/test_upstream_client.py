@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.upstream_client import HIGH_WATER, Broken, Dropped, Pool, Unreachable
+from gateway.upstream_client import (
+    HIGH_WATER,
+    AddressPolicy,
+    Broken,
+    Dropped,
+    Forbidden,
+    Pool,
+    Unreachable,
+    address_problem,
+)
 from tests.harness.procs import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Upstream"], Awaitable[None]]
@@ -251,3 +260,117 @@ async def test_bytes_after_a_complete_answer_drop_the_connection(pool: Pool) -> 
             await post(pool, up.url)
         assert await post(pool, up.url) == (200, b"{}")
     assert up.connections == 2  # the first connection was not trusted again
+
+
+# --------------------------------------------------------------------------- where it connects
+
+
+def resolving_to(address: str) -> Callable[[str, int], Awaitable[list[str]]]:
+    """A resolver stub: every name resolves to ``address`` (as a hostile DNS answer would)."""
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return [address]
+
+    return resolve
+
+
+@pytest.mark.parametrize("policy", [AddressPolicy.PUBLIC, AddressPolicy.NODE])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://2852039166/",  # 169.254.169.254 as one decimal number
+        "http://0xa9fea9fe/",  # ... in hex
+        "http://169.254.169.254/",
+        "http://[fd00:ec2::254]/",
+        "http://[::ffff:169.254.169.254]/",
+    ],
+)
+async def test_metadata_addresses_are_refused_in_every_form_the_resolver_accepts(
+    url: str, policy: AddressPolicy
+) -> None:
+    """The system resolver itself turns the numeric forms into 169.254.169.254; the check
+    looks at what it returned, so no form gets through, and no packet is sent."""
+    connections = Pool(keepalive_s=30)
+    try:
+        with pytest.raises(Forbidden, match="link-local or a cloud metadata"):
+            await connections.post(url, "/v1/x", b"{}", b"", connect_timeout=5, addresses=policy)
+    finally:
+        connections.close()
+
+
+async def test_a_name_that_resolves_to_the_metadata_address_is_refused() -> None:
+    connections = Pool(keepalive_s=30, resolver=resolving_to("169.254.169.254"))
+    try:
+        with pytest.raises(Forbidden, match=r"169\.254\.169\.254"):
+            await connections.post(
+                "http://innocent.example/",
+                "/v1/x",
+                b"{}",
+                b"",
+                connect_timeout=5,
+                addresses=AddressPolicy.PUBLIC,
+            )
+    finally:
+        connections.close()
+
+
+async def test_loopback_is_refused_to_endpoint_rows_but_is_where_local_engines_live() -> None:
+    async with upstream(answering(answer(b"{}"))) as up:
+        connections = Pool(keepalive_s=30, resolver=resolving_to("127.0.0.1"))
+        try:
+            url = f"http://engine.example:{up.port}"
+            with pytest.raises(Forbidden, match="loopback"):
+                await connections.post(
+                    url, "/v1/x", b"{}", b"", connect_timeout=5, addresses=AddressPolicy.PUBLIC
+                )
+            assert up.connections == 0  # refused before connecting
+            response = await connections.post(
+                url, "/v1/x", b"{}", b"", connect_timeout=5, addresses=AddressPolicy.NODE
+            )
+            assert response.status == 200
+            response.release()
+        finally:
+            connections.close()
+
+
+def test_what_each_policy_allows() -> None:
+    assert address_problem("10.0.0.5", AddressPolicy.PUBLIC) is None
+    assert address_problem("127.0.0.1", AddressPolicy.NODE) is None
+    assert address_problem("127.0.0.1", AddressPolicy.PUBLIC) is not None
+    assert address_problem("169.254.169.254", AddressPolicy.ANY) is None  # operator's choice
+    assert address_problem("100.100.100.200", AddressPolicy.NODE) is not None
+    assert address_problem("0.0.0.0", AddressPolicy.NODE) is not None
+    assert address_problem("224.0.0.1", AddressPolicy.NODE) is not None
+
+
+async def test_an_upstream_redirecting_to_the_metadata_address_is_not_followed() -> None:
+    """The client never follows a Location: the 302 is what comes back (the relay answers it
+    with 502 upstream_redirect), and nothing but the upstream itself is resolved or dialled."""
+    resolved: list[str] = []
+
+    async def recording(host: str, port: int) -> list[str]:
+        resolved.append(host)
+        return ["127.0.0.1"]
+
+    redirect = (
+        b"HTTP/1.1 302 Found\r\nLocation: http://169.254.169.254/latest/meta-data/\r\n"
+        b"Content-Length: 0\r\n\r\n"
+    )
+    async with upstream(answering(redirect)) as up:
+        connections = Pool(keepalive_s=30, resolver=recording)
+        try:
+            response = await connections.post(
+                f"http://engine.example:{up.port}",
+                "/v1/x",
+                b"{}",
+                b"",
+                connect_timeout=5,
+                addresses=AddressPolicy.NODE,
+            )
+            assert response.status == 302
+            assert await response.read() == b""
+            response.release()
+        finally:
+            connections.close()
+    assert resolved == ["engine.example"]
+    assert up.connections == 1 and len(up.requests) == 1

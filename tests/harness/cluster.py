@@ -25,7 +25,7 @@ import signal
 import socket
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,15 +34,17 @@ from typing import Any, Self
 from django.db import connection
 
 from agents.processes import process_start_ticks
-from control import node_tokens
+from control import node_certs, node_tokens
 from control.models import Event, Node, Replica, ServedModel, Shard
 from llmgw_site.management.commands.run import celery_argv
 from tests.harness.procs import (
     PORT_WINDOW,
     PYTHON,
+    REPO_ROOT,
     Proc,
     engine_port,
     engine_processes,
+    free_port,
     port_window,
     web_process,
 )
@@ -139,9 +141,21 @@ class TcpProxy:
         self.listener.close()
 
 
+WEBSOCKET = "websocket"
+GRPC = "grpc"  # gRPC with mutual TLS: node certificates from the cluster's CA, no tokens
+
+
+def grpc_listener(name: str, log_dir: Path, env: Mapping[str, str], port: int) -> Proc:
+    """The agents' gRPC listener as ``manage.py run`` starts it (LLMGW_AGENT_LISTEN)."""
+    argv = [PYTHON, str(REPO_ROOT / "manage.py"), "serve_agents_grpc"]
+    argv += ["--listen", f"127.0.0.1:{port}"]
+    return Proc(name, argv, log_dir, env, port=port).start().wait_listening()
+
+
 @dataclass
 class ControlPlane:
-    """One control-plane host: its web process, and its reconciler worker and beat."""
+    """One control-plane host: its web process (and, over gRPC, its agent listener), and its
+    reconciler worker and beat."""
 
     name: str
     var: Path
@@ -151,26 +165,46 @@ class ControlPlane:
     worker: Proc | None = None
     beat: Proc | None = None
     proxy: TcpProxy | None = None
+    transport: str = WEBSOCKET
+    agent_port: int = 0  # the gRPC listener's; the web port for WebSocket
+    grpc: Proc | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def agent_url(self) -> str:
+        """Where agents dial this control plane."""
+        return agent_url(self.transport, self.agent_port)
+
     def services(self) -> list[Proc]:
-        return [p for p in (self.web, self.worker, self.beat) if p is not None]
+        return [p for p in (self.web, self.grpc, self.worker, self.beat) if p is not None]
 
     def start_web(self, **env: str) -> Proc:
-        """(Re)start the web process on this plane's port, with ``env`` over its settings."""
+        """(Re)start the web process on this plane's port (and its gRPC agent listener), with
+        ``env`` over its settings."""
         if self.web is not None:
             self.web.stop()
         self.web = web_process(
             f"{self.name}-web", self.var / "logs", {**self.env, **env}, port=self.port
         )
+        if self.transport == GRPC:
+            if self.grpc is not None:
+                self.grpc.stop()
+            self.grpc = grpc_listener(
+                f"{self.name}-grpc", self.var / "logs", {**self.env, **env}, self.agent_port
+            )
         return self.web
 
     def stop_web(self) -> None:
-        if self.web is not None:
-            self.web.stop()
+        for proc in (self.web, self.grpc):
+            if proc is not None:
+                proc.stop()
+
+
+def agent_url(transport: str, port: int) -> str:
+    return f"grpcs://127.0.0.1:{port}" if transport == GRPC else f"http://127.0.0.1:{port}"
 
 
 @dataclass
@@ -249,6 +283,11 @@ class Cluster:
     redis: RedisServer | None = None
     control_planes: list[ControlPlane] = field(default_factory=list)
     agents: dict[str, Agent] = field(default_factory=dict)
+    transport: str = WEBSOCKET
+
+    @property
+    def ca_dir(self) -> Path:
+        return self.root / "ca"
 
     def start_redis(self) -> RedisServer:
         self.redis = RedisServer(self.root / "redis").start()
@@ -257,14 +296,29 @@ class Cluster:
     # --- control planes ----------------------------------------------------------------
 
     def add_control_plane(
-        self, *, reconciler: bool = True, via_proxy: bool = False, port: int = 0, **settings: str
+        self,
+        *,
+        reconciler: bool = True,
+        via_proxy: bool = False,
+        port: int = 0,
+        agent_port: int = 0,
+        **settings: str,
     ) -> ControlPlane:
         """A control plane on the test database; ``via_proxy`` routes its store connections
-        through a :class:`TcpProxy` (PostgreSQL) so that the test can cut this host off."""
+        through a :class:`TcpProxy` (PostgreSQL) so that the test can cut this host off. Over
+        gRPC it also runs the agent listener (on ``agent_port``), with mutual TLS required."""
         assert self.redis is not None, "start_redis() first"
         name = f"cp{len(self.control_planes) + 1}"
         var = self.root / name
         var.mkdir(parents=True, exist_ok=True)
+        if self.transport == GRPC:
+            if not (self.ca_dir / node_certs.CA_CERT).exists():
+                node_certs.init_ca(self.ca_dir, ["localhost", "127.0.0.1"])
+            settings = {
+                "LLMGW_CA_DIR": str(self.ca_dir),
+                "LLMGW_AGENT_REQUIRE_IDENTITY": "true",
+                **settings,
+            }
         env = child_env(
             REDIS_URL=self.redis.url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
         )
@@ -272,10 +326,13 @@ class Cluster:
         if via_proxy and connection.vendor == "postgresql":
             proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
             env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
-        plane = ControlPlane(name, var, env, port, proxy=proxy)
+        plane = ControlPlane(name, var, env, port, proxy=proxy, transport=self.transport)
         self.control_planes.append(plane)
         plane.web = web_process(f"{name}-web", var / "logs", env, port=port)
-        plane.port = plane.web.port
+        plane.port = plane.agent_port = plane.web.port
+        if self.transport == GRPC:
+            plane.agent_port = agent_port or free_port()
+            plane.grpc = grpc_listener(f"{name}-grpc", var / "logs", env, plane.agent_port)
         if reconciler:
             # As ``manage.py run`` starts them, plus task events (-E) for TaskEvents.
             worker = celery_argv("worker", "--pool", "solo", "-n", f"{name}@%h", "-E")
@@ -295,10 +352,15 @@ class Cluster:
         home.mkdir(parents=True, exist_ok=True)
         low, high = port_window({a.ports[0] for a in self.agents.values()})
         argv = [PYTHON, "-m", "agents", "--node", name]
-        for url in urls or [p.url for p in self.control_planes]:
+        for url in urls or [p.agent_url for p in self.control_planes]:
             argv += ["--control-plane", url]
+        if self.transport == GRPC:
+            argv += ["--transport", "grpc", "--tls-ca", str(home / "tls" / node_certs.CA_CERT)]
+            argv += ["--tls-cert", str(home / "tls" / f"{name}.pem")]
+            argv += ["--tls-key", str(home / "tls" / f"{name}.key")]
+        if self.transport != GRPC:  # over gRPC the certificate is the identity
+            argv += ["--token-file", str(home / "token")]
         argv += [
-            "--token-file", str(home / "token"),
             "--simulate-gpus", gpus,
             "--port-range", f"{low}-{high}",
             "--advertise-address", "127.0.0.1",
@@ -314,7 +376,7 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_", "LLMGW_"))}
         env.pop("SECRET_KEY", None)
         agent = Agent(name, home, (low, high), argv, env)
-        self.issue_token(agent)
+        self.issue_credentials(agent)
         self.agents[name] = agent
         agent.start(*extra)
         return agent
@@ -326,6 +388,18 @@ class Cluster:
         agent.token_file.write_text(token + "\n")
         agent.token_file.chmod(0o600)
         return token
+
+    def issue_credentials(self, agent: Agent) -> None:
+        """What this cluster's agents authenticate with: a token, or over gRPC a certificate
+        (the agent reads either afresh before each connection attempt)."""
+        if self.transport == GRPC:
+            node_certs.issue_node_cert(agent.name, self.ca_dir, agent.home / "tls")
+        else:
+            self.issue_token(agent)
+
+    def has_credentials(self, name: str) -> bool:
+        field = "cert_serial" if self.transport == GRPC else "token_hash"
+        return Node.objects.filter(name=name).exclude(**{field: ""}).exists()
 
     def node_of_port(self, port: int) -> str | None:
         for agent in self.agents.values():

@@ -409,6 +409,7 @@ def test_replicas_cannot_be_added_or_edited_in_the_admin() -> None:
     page = client.get(f"/admin/control/replica/{replica.pk}/change/").content.decode()
     assert 'name="observed"' not in page and 'name="desired"' not in page
     assert 'name="_save"' not in page
+    assert replica.engine_key and replica.engine_key not in page  # the gateway's secret
 
 
 def test_profile_with_an_env_name_the_agent_would_refuse_is_not_saved() -> None:

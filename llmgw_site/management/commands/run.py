@@ -124,6 +124,9 @@ def agent_argv(control_plane: str, host: str, token_file: Path, agent_dir: Path)
     if host in {"127.0.0.1", "localhost", "::1"}:
         # A loopback control plane means a one-machine install: keep engines off the network.
         argv += ["--advertise-address", "127.0.0.1", "--engine-host", "127.0.0.1"]
+    else:
+        # The local agent dials this very machine: its stream never crosses the network.
+        argv += ["--insecure"]
     # Real GPUs through NVML when the node has them, two simulated ones (and `sim`) when not.
     argv += ["--fallback-gpus", "2x80GiB"]
     return argv
@@ -260,6 +263,10 @@ class Command(BaseCommand):
             children.append(
                 launcher.Child("beat", celery_argv("beat", "--schedule", schedule), env)
             )
+        if settings.LLMGW_AGENT_LISTEN and not router_only:  # the agents' gRPC listener
+            manage = str(Path(settings.BASE_DIR) / "manage.py")
+            argv = [sys.executable, manage, "serve_agents_grpc"]
+            children.append(launcher.Child("agent-grpc", argv, env))
         if not (no_agent or router_only):
             agent_dir = settings.VAR_DIR / "agent"
             token_file = agent_dir / "token"
