@@ -1,5 +1,5 @@
 """Which listener answers what (``llmgw_site.listeners``): the pure decisions behind
-``--admin-listen``, ``--metrics-listen`` and ``--agent-listen`` (S4)."""
+``--admin-listen``, ``--metrics-listen`` and ``--agent-ws-listen`` (S4)."""
 
 from __future__ import annotations
 

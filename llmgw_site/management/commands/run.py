@@ -186,8 +186,15 @@ class Command(BaseCommand):
         parser.add_argument(
             "--agent-listen",
             metavar="[ADDR:]PORT",
-            default="",
-            help="Accept agents' streams here, and not on the client port.",
+            default=settings.LLMGW_AGENT_LISTEN,
+            help="Serve the agents' gRPC stream here (manage.py serve_agents_grpc, mutual TLS "
+            "with the cluster CA); default LLMGW_AGENT_LISTEN, unset: none.",
+        )
+        parser.add_argument(
+            "--agent-ws-listen",
+            metavar="[ADDR:]PORT",
+            default=os.environ.get("LLMGW_AGENT_WS_LISTEN", ""),
+            help="Accept agents' WebSocket streams here, and not on the client port.",
         )
         parser.add_argument(
             "--router-only",
@@ -206,6 +213,7 @@ class Command(BaseCommand):
         admin_listen: str,
         metrics_listen: str,
         agent_listen: str,
+        agent_ws_listen: str,
         router_only: bool,
         **opts: Any,
     ) -> None:
@@ -215,11 +223,15 @@ class Command(BaseCommand):
         for role, raw in (
             ("admin", admin_listen),
             ("metrics", metrics_listen),
-            ("agent", agent_listen),
+            ("agent", agent_ws_listen),
         ):
             if raw:
-                addresses[role] = parse_listen(f"--{role}-listen", raw)
-        if len(set(addresses.values())) < len(addresses):
+                flag = "--agent-ws-listen" if role == "agent" else f"--{role}-listen"
+                addresses[role] = parse_listen(flag, raw)
+        # The gRPC listener is a process of its own that binds its port itself.
+        grpc_address = parse_listen("--agent-listen", agent_listen) if agent_listen else None
+        taken = [*addresses.values(), *([grpc_address] if grpc_address else [])]
+        if len(set(taken)) < len(taken):
             raise CommandError("each listener needs an address and port of its own")
         call_command("migrate", interactive=False, verbosity=0)
         served = router_only_models() if router_only else []
@@ -263,9 +275,11 @@ class Command(BaseCommand):
             children.append(
                 launcher.Child("beat", celery_argv("beat", "--schedule", schedule), env)
             )
-        if settings.LLMGW_AGENT_LISTEN and not router_only:  # the agents' gRPC listener
+        if grpc_address and not router_only:
             manage = str(Path(settings.BASE_DIR) / "manage.py")
-            argv = [sys.executable, manage, "serve_agents_grpc"]
+            grpc_host, grpc_port = grpc_address
+            where = f"[{grpc_host}]:{grpc_port}" if ":" in grpc_host else f"{grpc_host}:{grpc_port}"
+            argv = [sys.executable, manage, "serve_agents_grpc", "--listen", where]
             children.append(launcher.Child("agent-grpc", argv, env))
         if not (no_agent or router_only):
             agent_dir = settings.VAR_DIR / "agent"
@@ -295,7 +309,9 @@ class Command(BaseCommand):
         if "metrics" in bases:
             write(f"  metrics:       {bases['metrics']}/metrics  (no token: for scrapers only)")
         if "agent" in bases:
-            write(f"  agents:        {bases['agent']}")
+            write(f"  agents:        {bases['agent']}  (WebSocket)")
+        if grpc_address and not router_only:
+            write(f"  agents:        {url_of(*grpc_address)}  (gRPC)")
         if password:
             write(
                 f"  admin user:    {admin_name} / {password}   (shown once; change it in the admin)"
