@@ -22,7 +22,7 @@ from django.db.models import Q
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
-from control.models import Node, Profile, Replica, ServedModel, Shard
+from control.models import Event, Node, Profile, Replica, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -207,3 +207,11 @@ def request_tick() -> None:
         )
     except Exception as exc:  # a broker that is down must not fail the request path
         logger.warning("could not ask for an early reconcile tick: %s", type(exc).__name__)
+
+
+def record_gateway_event(subject: str, message: str, data: dict[str, Any]) -> None:
+    """An audit line from the gateway's request path (an upstream reporting nonsense, a usage
+    row the store refused), where operators already look for what happened and why."""
+    Event.objects.create(
+        kind=Event.Kind.LIFECYCLE, subject=subject[:200], message=message, data=data
+    )

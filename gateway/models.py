@@ -79,8 +79,19 @@ class Endpoint(models.Model):
             raise ValidationError({"url": f"This URL {problem}."})
 
 
+class UsageSource(models.TextChoices):
+    """Where a usage row's token counts came from."""
+
+    ENGINE = "engine", "reported by the engine"
+    TOKENIZED = "tokenized", "counted by the engine's tokenizer"
+    ESTIMATED = "estimated", "estimated (no tokenizer answered)"
+    NONE = "", "none"
+
+
 class UsageRecord(models.Model):
     """One row per request, keyed by its request id so a replayed write cannot count twice."""
+
+    Source = UsageSource
 
     class FinishReason(models.TextChoices):
         STOP = "stop", "stop"
@@ -109,6 +120,13 @@ class UsageRecord(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
+    usage_source = models.CharField(
+        max_length=10,
+        choices=UsageSource.choices,
+        blank=True,
+        default="",
+        help_text="Where the token counts came from (empty: nothing was generated).",
+    )
     ttft_ms = models.FloatField(null=True, blank=True)
     duration_ms = models.FloatField(default=0)
     finish_reason = models.CharField(

@@ -141,6 +141,8 @@ class Exchange:
             usage.cached_tokens = tokens.cached
         if settings.LLMGW_USAGE_ACCOUNTING:
             recorder.finish(usage)
+            if tokens is not None and tokens.clamped:
+                recorder.note_clamped(usage, tokens.clamped)
         # The catalog's name, never the client's string: clients cannot grow the label set.
         metrics.observe_request(
             self.route.name if self.route is not None else metrics.UNKNOWN_MODEL,
@@ -223,9 +225,17 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
     ex.route = route
     if body.model != route.name:
         ex.body = body = body.for_model(route.name)
-    ex.reservation = await limits.reserve(
-        ex.key, limits.estimate_tokens(len(raw), body.max_tokens, body.n)
+    plan = limits.plan(
+        len(raw),
+        body.max_tokens,
+        body.n,
+        generates=ex.api_route.tag == "generation",
+        context_length=route.context_length,
     )
+    ex.reservation = await limits.reserve(ex.key, plan.tokens)
+    if plan.output_cap is not None and ex.reservation.token_counters():
+        # A token limit applies: the engine is told the cap that was reserved, never more.
+        ex.body = body = payload.with_output_cap(body, ex.api_route, plan.output_cap)
     upstreams.note_request(route, None)
     if not route.upstreams:
         if body.stream:
@@ -550,10 +560,19 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
             # stop generating for a client that is gone.
             response.close()
     rest = sse.rest()
+    if failure is None and not sse.terminal:
+        # The connection ended cleanly but the stream did not: an engine that crashed or was
+        # cut off mid-answer. Relayed as it was, the client would take it for a whole answer.
+        failure = ApiError(
+            502,
+            "The upstream ended the stream before its last event; the answer is incomplete.",
+            "upstream_truncated",
+        )
     if failure is not None:
         upstreams.eject(opened.upstream)
         metrics.observe_upstream_error(
-            ex.route.name, "idle_timeout" if failure.status == 504 else "after_first_byte"
+            ex.route.name,
+            {504: "idle_timeout"}.get(failure.status, "after_first_byte"),
         )
         ex.finish(
             200, Reason.TIMEOUT if failure.status == 504 else Reason.UPSTREAM_ERROR, _partial(sse)
@@ -567,6 +586,8 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
     ex.finish(200, sse.finish_reason or Reason.STOP, sse.tokens)
     if rest:
         yield rest
+    if sse.done:
+        yield payload.DONE_EVENT
 
 
 def _partial(sse: payload.SseFilter) -> payload.Tokens | None:

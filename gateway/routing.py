@@ -33,6 +33,9 @@ class CatalogRow:
     connect_timeout_s: float | None = None
     first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
+    # Tokens the model takes, prompt and output together: the output reserved for a request
+    # that sets no max-token field. None where not known.
+    context_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Route:
     connect_timeout_s: float | None = None
     first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
+    context_length: int | None = None  # see CatalogRow
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class Table:
             connect_timeout_s=catalog.connect_timeout_s,
             first_byte_timeout_s=catalog.first_byte_timeout_s,
             stream_idle_timeout_s=catalog.stream_idle_timeout_s,
+            context_length=catalog.context_length,
         )
 
 

@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=None, help="seed for the fail and hang draws")
     add("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     add("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get")
+    add("--no-tokenize", action="store_true", help="no POST /tokenize (an engine without one)")
     add("--log-level", default="INFO")
     return parser
 
@@ -65,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_body_bytes=args.max_body_bytes,
         shutdown_grace=args.shutdown_grace,
         exit_on_crash=True,
+        tokenize=not args.no_tokenize,
     )
 
 

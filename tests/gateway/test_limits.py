@@ -71,10 +71,13 @@ def test_budget_periods_are_calendar_windows(period: str, start: datetime, end: 
     assert limits.period_bounds(period, NOW) == (start.timestamp(), end.timestamp())
 
 
-def test_the_estimate_covers_the_prompt_and_every_choice(settings: Any) -> None:
+def test_the_reservation_covers_the_prompt_and_every_choice(settings: Any) -> None:
     settings.LLMGW_DEFAULT_MAX_TOKENS = 100
-    assert limits.estimate_tokens(400, None, 1) == 200
-    assert limits.estimate_tokens(400, 10, 3) == 130
+    assert limits.plan(400, None, 1, generates=True) == limits.Plan(200, 100)
+    assert limits.plan(400, 10, 3, generates=True) == limits.Plan(130, 10)
+    # With no max-token field, the context the model leaves after the prompt is reserved.
+    assert limits.plan(400, None, 2, generates=True, context_length=1100) == limits.Plan(2100, 1000)
+    assert limits.plan(400, None, 1, generates=False) == limits.Plan(100, None)
 
 
 def test_refusals_are_429_with_retry_after_until_the_window_ends() -> None:
