@@ -182,3 +182,127 @@ def test_counts_no_row_can_hold_are_clamped_and_recording_goes_on(
         what="an Event about the clamped counts",
     )
     assert "prompt_tokens=-5000" in event.message
+
+
+# --------------------------------------------------------------------------- failure 1
+
+
+def stream_chunks(web: Proc, key: str, model: str, **extra: Any) -> list[Any]:
+    return list(
+        client(web, key).chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "one two three"}],
+            max_tokens=5,
+            stream=True,
+            **extra,
+        )
+    )
+
+
+def test_an_engine_that_reports_no_usage_is_counted_by_its_tokenizer(
+    live: tuple[Proc, Proc, Proc],
+) -> None:
+    """Streams from an engine that reports no usage were recorded with 0 tokens, refunded,
+    and a client that asked for usage got no usage chunk."""
+    web, sim, _ = live
+    key, api_key = make_key(budget=100_000)
+    serve(web, key, "acc", sim.port)
+    # The sim's tokenizer: 4 per chat message plus one per word; each generated token a word.
+    _, _, raw = http(
+        "POST",
+        sim.url + "/tokenize",
+        body=json.dumps({"messages": [{"role": "user", "content": "one two three"}]}).encode(),
+    )
+    prompt = json.loads(raw)["count"]
+    assert prompt == 7
+    chunks = stream_chunks(
+        web,
+        key,
+        "acc",
+        stream_options={"include_usage": True},
+        extra_body={"sim": {"no_usage": True}},
+    )
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
+    assert (with_usage[0].usage.prompt_tokens, with_usage[0].usage.completion_tokens) == (prompt, 5)
+    assert with_usage[0].usage.total_tokens == prompt + 5
+    # Without include_usage: no usage chunk for the client, the same row.
+    chunks = stream_chunks(web, key, "acc", extra_body={"sim": {"no_usage": True}})
+    assert all(c.usage is None for c in chunks)
+    # A whole answer without usage.
+    client(web, key).chat.completions.create(
+        model="acc",
+        messages=[{"role": "user", "content": "one two three"}],
+        max_tokens=3,
+        extra_body={"sim": {"no_usage": True}},
+    )
+    rows = wait_for_rows(api_key, 3)
+    assert [(r.prompt_tokens, r.completion_tokens, r.usage_source) for r in rows] == [
+        (prompt, 5, "tokenized"),
+        (prompt, 5, "tokenized"),
+        (prompt, 3, "tokenized"),
+    ]
+
+
+def test_without_a_tokenizer_the_counts_are_estimated_and_marked_so(
+    live: tuple[Proc, Proc, Proc],
+) -> None:
+    web, _, bare = live
+    key, api_key = make_key()
+    serve(web, key, "bare", bare.port)
+    chunks = stream_chunks(
+        web,
+        key,
+        "bare",
+        stream_options={"include_usage": True},
+        extra_body={"sim": {"no_usage": True}},
+    )
+    (usage_chunk,) = [c for c in chunks if c.usage is not None]
+    # 4 for the message, "one two three" is 13 bytes: 4 more; one token per content event.
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (8, 5)
+    (row,) = wait_for_rows(api_key, 1)
+    assert (row.prompt_tokens, row.completion_tokens, row.usage_source) == (8, 5, "estimated")
+
+
+def test_engine_counts_and_cached_prompt_tokens_are_recorded_as_the_engine_said(
+    live: tuple[Proc, Proc, Proc],
+) -> None:
+    web, sim, _ = live
+    key, api_key = make_key()
+    serve(web, key, "acc", sim.port)
+    chunks = stream_chunks(
+        web,
+        key,
+        "acc",
+        stream_options={"include_usage": True},
+        extra_body={"sim": {"cached_tokens": 3}},
+    )
+    assert len([c for c in chunks if c.usage is not None]) == 1
+    (row,) = wait_for_rows(api_key, 1)
+    assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (7, 5, 3)
+    assert row.usage_source == "engine"
+
+
+def test_a_client_that_hangs_up_is_billed_the_prompt_and_what_was_relayed(
+    live: tuple[Proc, Proc, Proc],
+) -> None:
+    web, sim, _ = live
+    key, api_key = make_key()
+    serve(web, key, "acc", sim.port)
+    stream = client(web, key).chat.completions.create(
+        model="acc",
+        messages=[{"role": "user", "content": "one two three"}],
+        max_tokens=500,
+        stream=True,
+        extra_body={"sim": {"itl_ms": 20}},
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 3:
+            break
+    stream.close()
+    (row,) = wait_for_rows(api_key, 1)
+    assert row.finish_reason == UsageRecord.FinishReason.CLIENT_DISCONNECT
+    assert row.prompt_tokens == 7 and 3 <= row.completion_tokens < 500
+    assert row.usage_source == "tokenized"
