@@ -83,22 +83,43 @@ def period_bounds(period: str, now: float) -> tuple[float, float]:
 
 
 def counters_for(key: KeyInfo, tokens: int, now: float) -> tuple[Counter, ...]:
-    """The counters a request of ``tokens`` estimated tokens takes from (pure). Named by the
-    key's prefix, which is random, so counters never outlive a key into a different one."""
+    """The counters a request of ``tokens`` estimated tokens takes from (pure): those of every
+    scope with a limit (the key, its owner, the owner's teams). Named by the scope (a key by
+    its prefix, which is random, so counters never outlive a key into a different one), so
+    all keys of one user or team take from the same counters in every web process."""
     minute = int(now // 60)
     minute_end = (minute + 1) * 60.0
     counters = []
-    if key.rpm_limit is not None:
-        counters.append(Counter(f"rpm:{key.prefix}:{minute}", "rpm", key.rpm_limit, 1, minute_end))
-    if key.tpm_limit is not None:
-        counters.append(
-            Counter(f"tpm:{key.prefix}:{minute}", "tpm", key.tpm_limit, tokens, minute_end)
-        )
-    if key.token_budget is not None:
-        start, end = period_bounds(key.budget_period, now)
-        counters.append(
-            Counter(f"budget:{key.prefix}:{int(start)}", "budget", key.token_budget, tokens, end)
-        )
+    for scope in key.scopes:
+        if scope.rpm_limit is not None:
+            counters.append(
+                Counter(
+                    f"rpm:{scope.name}:{minute}", "rpm", scope.rpm_limit, 1, minute_end, scope.owner
+                )
+            )
+        if scope.tpm_limit is not None:
+            counters.append(
+                Counter(
+                    f"tpm:{scope.name}:{minute}",
+                    "tpm",
+                    scope.tpm_limit,
+                    tokens,
+                    minute_end,
+                    scope.owner,
+                )
+            )
+        if scope.token_budget is not None:
+            start, end = period_bounds(scope.budget_period, now)
+            counters.append(
+                Counter(
+                    f"budget:{scope.name}:{int(start)}",
+                    "budget",
+                    scope.token_budget,
+                    tokens,
+                    end,
+                    scope.owner,
+                )
+            )
     return tuple(counters)
 
 
@@ -289,7 +310,7 @@ def store() -> Store:
 
 async def reserve(key: KeyInfo, tokens: int, now: float | None = None) -> Reservation:
     """Take this request's share of every limit of its key, or raise 429."""
-    if key.rpm_limit is None and key.tpm_limit is None and key.token_budget is None:
+    if not key.scopes:
         return NO_RESERVATION
     now = time.time() if now is None else now
     counters = counters_for(key, tokens, now)
