@@ -230,6 +230,14 @@ def new_request_id() -> str:
     return f"req_{_id_prefix[1]}{next(_id_counter):x}"
 
 
+def upstream_request_id(request_id: str) -> bytes:
+    """The request id as the engine is told it: the same hex digits in UUID form, because
+    llama-cpp-python's server refuses (400, empty body) any X-Request-Id that is not a UUID,
+    while vLLM and SGLang take any string."""
+    digits = request_id[4:20] + request_id[20:].rjust(16, "0")[-16:]
+    return (f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:32]}").encode()
+
+
 def _start_background() -> None:
     recorder.ensure_running()
 
@@ -490,7 +498,7 @@ async def _attempt(
                 upstream.base_url,
                 ex.api_route.path,
                 ex.body.forward_body,
-                headers + b"X-Request-Id: " + ex.request_id.encode() + b"\r\n",
+                headers + b"X-Request-Id: " + upstream_request_id(ex.request_id) + b"\r\n",
                 connect_timeout=deadlines.connect,
             )
             status = response.status
