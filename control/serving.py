@@ -28,7 +28,7 @@ from django.utils import timezone
 
 from agents.protocol import address_problem
 from control import gateway_counts, leases
-from control.models import Node, Profile, ProfileScale, Replica, ServedModel, Shard
+from control.models import Event, Node, Profile, ProfileScale, Replica, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -280,3 +280,11 @@ def request_tick() -> None:
         )
     except Exception as exc:  # a broker that is down must not fail the request path
         logger.warning("could not ask for an early reconcile tick: %s", type(exc).__name__)
+
+
+def record_gateway_event(subject: str, message: str, data: dict[str, Any]) -> None:
+    """An audit line from the gateway's request path (an upstream reporting nonsense, a usage
+    row the store refused), where operators already look for what happened and why."""
+    Event.objects.create(
+        kind=Event.Kind.LIFECYCLE, subject=subject[:200], message=message, data=data
+    )

@@ -21,7 +21,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from gateway import keys, reports
+from gateway import keys, people, reports
 from gateway.models import ApiKey, UsageRecord
 
 LOGIN_URL = "/account/login/"
@@ -37,6 +37,20 @@ class NewKeyForm(forms.Form):
     expires_in_days = forms.IntegerField(
         min_value=1, max_value=3650, required=False, help_text="Empty: never."
     )
+    # A key's own limits can only narrow its owner's (which it inherits in any case).
+    models = forms.CharField(
+        max_length=2000, required=False, help_text="Comma-separated; empty: all you may use."
+    )
+    rpm_limit = forms.IntegerField(min_value=1, required=False)
+    tpm_limit = forms.IntegerField(min_value=1, required=False)
+    token_budget = forms.IntegerField(min_value=1, required=False)
+    budget_period = forms.ChoiceField(
+        choices=ApiKey.BudgetPeriod.choices, required=False, initial=ApiKey.BudgetPeriod.MONTH
+    )
+
+    def clean_models(self) -> list[str]:
+        raw = self.cleaned_data.get("models") or ""
+        return sorted({name.strip() for name in raw.split(",") if name.strip()})
 
 
 def _user_id(request: HttpRequest) -> int:
@@ -61,6 +75,8 @@ def overview(request: HttpRequest) -> HttpResponse:
         "requests": [d.requests for d in days],
     }
     context = {
+        "limits": people.views_for_user(request.user),  # type: ignore[arg-type]
+        "self_service": people.self_service_allowed(_user_id(request)),
         "keys": _own_keys(request).order_by("revoked_at", "-created_at"),
         "form": NewKeyForm(),
         "recent": own_usage.select_related("api_key").order_by("-started_at")[:RECENT_ROWS],
@@ -71,6 +87,7 @@ def overview(request: HttpRequest) -> HttpResponse:
         "chart": chart,
         "chart_days": CHART_DAYS,
         "max_keys": MAX_ACTIVE_KEYS,
+        "periods": ApiKey.BudgetPeriod.choices,
     }
     return render(request, "account/overview.html", context)
 
@@ -82,13 +99,32 @@ def create_key(request: HttpRequest) -> HttpResponse:
     if not form.is_valid():
         messages.error(request, "The key was not created: " + form.errors.as_text())
         return HttpResponseRedirect(reverse("account"))
+    if not people.self_service_allowed(_user_id(request)):
+        messages.error(request, "An administrator has turned off making keys for your account.")
+        return HttpResponseRedirect(reverse("account"))
     if _own_keys(request).filter(revoked_at__isnull=True).count() >= MAX_ACTIVE_KEYS:
         messages.error(request, f"You have {MAX_ACTIVE_KEYS} active keys; revoke one first.")
         return HttpResponseRedirect(reverse("account"))
-    days = form.cleaned_data.get("expires_in_days")
+    data = form.cleaned_data
+    problems = people.narrowing_problems(
+        people.views_for_user(request.user),  # type: ignore[arg-type]
+        models=data["models"],
+        rpm=data.get("rpm_limit"),
+        tpm=data.get("tpm_limit"),
+        budget=data.get("token_budget"),
+    )
+    if problems:
+        messages.error(request, "The key was not created: " + "; ".join(problems) + ".")
+        return HttpResponseRedirect(reverse("account"))
+    days = data.get("expires_in_days")
     issued = keys.issue(
         request.user.get_username(),
-        name=form.cleaned_data.get("name") or "",
+        name=data.get("name") or "",
+        models=data["models"],
+        rpm=data.get("rpm_limit"),
+        tpm=data.get("tpm_limit"),
+        budget=data.get("token_budget"),
+        budget_period=data.get("budget_period") or ApiKey.BudgetPeriod.MONTH,
         expires_at=timezone.now() + timedelta(days=days) if days else None,
     )
     response = render(

@@ -22,8 +22,8 @@ from django.urls import URLPattern, path
 from django.utils import timezone
 
 from control import serving
-from gateway import keys, reports
-from gateway.models import ApiKey, Endpoint, UsageRecord
+from gateway import keys, people, reports
+from gateway.models import ApiKey, Endpoint, TeamLimits, UsageRecord, UserLimits
 
 # The full key between save_model (which mints it) and response_add (which shows it), held
 # for the one request only.
@@ -59,6 +59,7 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
         "name",
         "user",
         "allowed",
+        "spend",
         "created_at",
         "last_used_at",
         "expires_at",
@@ -92,6 +93,11 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     @admin.display(description="models")
     def allowed(self, obj: ApiKey) -> str:
         return ", ".join(obj.allowed_models) or "all"
+
+    @admin.display(description="spent in period")
+    def spend(self, obj: ApiKey) -> str:
+        view = people.key_view(obj)
+        return _spend(view.spent, obj.token_budget, obj.budget_period)
 
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
         if change:
@@ -144,6 +150,65 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
             self.message_user(request, f"Revoked: {', '.join(done)}.", messages.SUCCESS)
         else:
             self.message_user(request, "Those keys were revoked already.", messages.INFO)
+
+
+def _spend(used: int, budget: int | None, period: str) -> str:
+    if budget is None:
+        return f"{used} (no budget)"
+    return f"{used} of {budget} per {period} ({100 * used // max(1, budget)}%)"
+
+
+class LimitsForm(forms.ModelForm[Any]):
+    def clean_allowed_models(self) -> list[str]:
+        names = self.cleaned_data.get("allowed_models") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise forms.ValidationError('A list of model names, e.g. ["llama3"]; empty: all.')
+        return sorted(set(names))
+
+
+_LIMIT_FIELDS = ["allowed_models", "rpm_limit", "tpm_limit", "token_budget", "budget_period"]
+
+
+@admin.register(UserLimits)
+class UserLimitsAdmin(admin.ModelAdmin[UserLimits]):
+    """A person's limits over all their keys (the keys they make themselves included), and
+    whether they may make keys at /account/. Keys pick a change up within the key cache's
+    TTL."""
+
+    form = LimitsForm
+    list_display = ["user", "models", "rpm_limit", "tpm_limit", "spend", "self_service"]
+    list_select_related = ["user"]
+    search_fields = ["user__username"]
+    autocomplete_fields = ["user"]
+    fields = ["user", *_LIMIT_FIELDS, "self_service"]
+
+    @admin.display(description="models")
+    def models(self, obj: UserLimits) -> str:
+        return ", ".join(obj.allowed_models) or "all"
+
+    @admin.display(description="spent in period")
+    def spend(self, obj: UserLimits) -> str:
+        return _spend(people.user_spend(obj), obj.token_budget, obj.budget_period)
+
+
+@admin.register(TeamLimits)
+class TeamLimitsAdmin(admin.ModelAdmin[TeamLimits]):
+    """A team's (a group's) limits over all its members' keys."""
+
+    form = LimitsForm
+    list_display = ["team", "models", "rpm_limit", "tpm_limit", "spend"]
+    list_select_related = ["team"]
+    search_fields = ["team__name"]
+    autocomplete_fields = ["team"]
+    fields = ["team", *_LIMIT_FIELDS]
+
+    @admin.display(description="models")
+    def models(self, obj: TeamLimits) -> str:
+        return ", ".join(obj.allowed_models) or "all"
+
+    @admin.display(description="spent in period")
+    def spend(self, obj: TeamLimits) -> str:
+        return _spend(people.team_spend(obj), obj.token_budget, obj.budget_period)
 
 
 @admin.register(Endpoint)

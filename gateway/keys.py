@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from gateway import dbthread
 from gateway.errors import ApiError
-from gateway.models import ApiKey
+from gateway.models import ApiKey, TeamLimits, UserLimits
 
 KEY_PREFIX = "llmgw-"
 PREFIX_LENGTH = 14
@@ -43,25 +43,56 @@ STALE_FOR_S = 600.0
 
 
 @dataclass(frozen=True)
+class Scope:
+    """One holder of limits a request counts against: the key, its owner, or one of the
+    owner's teams. ``name`` names its counters, so every key of a user (or of a team's
+    members) takes from the same ones, in every web process."""
+
+    name: str  # "key:<prefix>", "user:<id>" or "team:<id>"
+    owner: str  # as a refusal names it: "this key", "your account", "team 'ml'"
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+    token_budget: int | None = None
+    budget_period: str = ApiKey.BudgetPeriod.MONTH
+
+    @property
+    def limited(self) -> bool:
+        return not (self.rpm_limit is None and self.tpm_limit is None and self.token_budget is None)
+
+
+@dataclass(frozen=True)
 class KeyInfo:
     """What the request path needs to know about a key; plain data, safe to cache."""
 
     id: int
     user_id: int
     prefix: str
-    allowed_models: frozenset[str]
-    rpm_limit: int | None
+    allowed_models: frozenset[str]  # the narrowest of the key's, owner's and teams' lists
+    rpm_limit: int | None  # the key's own limits (its owner's and teams' are in ``scopes``)
     tpm_limit: int | None
     token_budget: int | None
     budget_period: str
     expires_at: float | None  # Unix time
     revoked: bool
+    models_limited: bool = False  # False: every model (an empty list set nowhere)
+    scopes: tuple[Scope, ...] = ()  # every holder with a limit, the key first
 
     def usable(self, now: float) -> bool:
         return not self.revoked and (self.expires_at is None or now < self.expires_at)
 
     def may_use(self, model: str) -> bool:
-        return not self.allowed_models or model in self.allowed_models
+        if not self.models_limited:
+            return not self.allowed_models or model in self.allowed_models
+        return model in self.allowed_models
+
+
+def narrowest_models(lists: list[list[str]]) -> tuple[bool, frozenset[str]]:
+    """(limited, names) from the model lists of a key, its owner and teams (pure): every
+    non-empty list narrows; none at all means every model."""
+    sets = [frozenset(str(m) for m in names) for names in lists if names]
+    if not sets:
+        return False, frozenset()
+    return True, frozenset.intersection(*sets)
 
 
 @dataclass(frozen=True)
@@ -156,11 +187,14 @@ def _load(key_hash: str) -> KeyInfo | None:
         return None
     (id_, user_id, prefix, models, rpm, tpm, budget, period, expires, revoked) = row
     active = get_user_model().objects.filter(pk=user_id).values_list("is_active", flat=True).first()
+    key_scope = Scope(f"key:{prefix}", "this key", rpm, tpm, budget, period)
+    people = _owner_scopes(user_id)
+    limited, allowed = narrowest_models([list(models or []), *(m for m, _ in people)])
     return KeyInfo(
         id=id_,
         user_id=user_id,
         prefix=prefix,
-        allowed_models=frozenset(str(m) for m in (models or [])),
+        allowed_models=allowed,
         rpm_limit=rpm,
         tpm_limit=tpm,
         token_budget=budget,
@@ -168,7 +202,29 @@ def _load(key_hash: str) -> KeyInfo | None:
         expires_at=expires.timestamp() if expires else None,
         # A deactivated (or deleted) owner's keys stop working like revoked ones.
         revoked=revoked is not None or not active,
+        models_limited=limited,
+        scopes=tuple(s for s in (key_scope, *(s for _, s in people)) if s.limited),
     )
+
+
+_LIMIT_FIELDS = ("allowed_models", "rpm_limit", "tpm_limit", "token_budget", "budget_period")
+
+
+def _owner_scopes(user_id: int) -> list[tuple[list[str], Scope]]:
+    """The owner's and the owner's teams' limits: (model list, scope) each."""
+    found: list[tuple[list[str], Scope]] = []
+    own = UserLimits.objects.filter(user_id=user_id).values_list(*_LIMIT_FIELDS).first()
+    if own is not None:
+        models, rpm, tpm, budget, period = own
+        found.append((list(models or []), Scope(f"user:{user_id}", "your account", rpm, tpm,
+                                                 budget, period)))  # fmt: skip
+    teams = TeamLimits.objects.filter(team__user__id=user_id).values_list(
+        "team_id", "team__name", *_LIMIT_FIELDS
+    )
+    for team_id, name, models, rpm, tpm, budget, period in teams:
+        scope = Scope(f"team:{team_id}", f"team '{name}'", rpm, tpm, budget, period)
+        found.append((list(models or []), scope))
+    return found
 
 
 class KeyCache:

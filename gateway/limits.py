@@ -1,9 +1,11 @@
 """Per-key limits: requests per minute, tokens per minute, and a token budget per period.
 
 A request reserves what it may use *before* it is relayed — one request against rpm, and its
-estimated prompt plus ``max_tokens`` (or ``LLMGW_DEFAULT_MAX_TOKENS``) against tpm and the
-budget — atomically across every web process, so N processes cannot let N times the limit
-through. When the request ends the reservation is corrected to the tokens the engine reported.
+estimated prompt plus its output cap times ``n`` against tpm and the budget (``plan``) —
+atomically across every web process, so N processes cannot let N times the limit through.
+Where a token limit applies, the body sent to the engine is bound to that cap, so the engine
+cannot produce more than was admitted. When the request ends the reservation is corrected to
+the tokens really used.
 
 Windows are fixed (the current UTC minute, day, ISO week or month): exact and cheap to share.
 Two stores, chosen by configuration:
@@ -49,6 +51,7 @@ class Counter:
     limit: int
     amount: int
     window_end: float  # Unix time
+    owner: str = "this key"  # whose limit it is, as a refusal names it
 
 
 @dataclass(frozen=True)
@@ -80,52 +83,111 @@ def period_bounds(period: str, now: float) -> tuple[float, float]:
 
 
 def counters_for(key: KeyInfo, tokens: int, now: float) -> tuple[Counter, ...]:
-    """The counters a request of ``tokens`` estimated tokens takes from (pure). Named by the
-    key's prefix, which is random, so counters never outlive a key into a different one."""
+    """The counters a request of ``tokens`` estimated tokens takes from (pure): those of every
+    scope with a limit (the key, its owner, the owner's teams). Named by the scope (a key by
+    its prefix, which is random, so counters never outlive a key into a different one), so
+    all keys of one user or team take from the same counters in every web process."""
     minute = int(now // 60)
     minute_end = (minute + 1) * 60.0
     counters = []
-    if key.rpm_limit is not None:
-        counters.append(Counter(f"rpm:{key.prefix}:{minute}", "rpm", key.rpm_limit, 1, minute_end))
-    if key.tpm_limit is not None:
-        counters.append(
-            Counter(f"tpm:{key.prefix}:{minute}", "tpm", key.tpm_limit, tokens, minute_end)
-        )
-    if key.token_budget is not None:
-        start, end = period_bounds(key.budget_period, now)
-        counters.append(
-            Counter(f"budget:{key.prefix}:{int(start)}", "budget", key.token_budget, tokens, end)
-        )
+    for scope in key.scopes:
+        if scope.rpm_limit is not None:
+            counters.append(
+                Counter(
+                    f"rpm:{scope.name}:{minute}", "rpm", scope.rpm_limit, 1, minute_end, scope.owner
+                )
+            )
+        if scope.tpm_limit is not None:
+            counters.append(
+                Counter(
+                    f"tpm:{scope.name}:{minute}",
+                    "tpm",
+                    scope.tpm_limit,
+                    tokens,
+                    minute_end,
+                    scope.owner,
+                )
+            )
+        if scope.token_budget is not None:
+            start, end = period_bounds(scope.budget_period, now)
+            counters.append(
+                Counter(
+                    f"budget:{scope.name}:{int(start)}",
+                    "budget",
+                    scope.token_budget,
+                    tokens,
+                    end,
+                    scope.owner,
+                )
+            )
     return tuple(counters)
 
 
-def estimate_tokens(body_length: int, max_tokens: int | None, n: int) -> int:
-    """A deliberately generous estimate: ~4 bytes of JSON per prompt token, plus the output cap
-    for each choice. It is corrected to the engine's count when the request ends."""
-    output = max_tokens if max_tokens is not None else int(settings.LLMGW_DEFAULT_MAX_TOKENS)
-    return body_length // 4 + output * n
+@dataclass(frozen=True)
+class Plan:
+    """What a request reserves: ``tokens`` in all, of which ``output_cap`` per choice is the
+    output it may generate (None for routes that generate nothing)."""
+
+    tokens: int
+    output_cap: int | None
+
+
+def plan(
+    body_length: int,
+    max_tokens: int | None,
+    n: int,
+    *,
+    generates: bool,
+    context_length: int | None = None,
+) -> Plan:
+    """A deliberately generous reservation (pure): ~4 bytes of JSON per prompt token, plus the
+    output cap for each choice. The cap is the largest max-token field the client sent; with
+    none, what the model's context leaves after the prompt, or ``LLMGW_DEFAULT_MAX_TOKENS``
+    when the context length is not known. It is corrected to the real count when the request
+    ends."""
+    prompt = body_length // 4
+    if not generates:
+        return Plan(prompt, None)
+    if max_tokens is not None:
+        cap = max_tokens
+    elif context_length is not None:
+        cap = max(1, context_length - prompt)
+    else:
+        cap = int(settings.LLMGW_DEFAULT_MAX_TOKENS)
+    return Plan(prompt + cap * n, cap)
 
 
 def refusal(counter: Counter, now: float) -> ApiError:
+    """The OpenAI-shaped 429 for the counter that would overflow, naming the limit."""
     retry = max(1.0, counter.window_end - now)
     if counter.kind == "budget":
+        if counter.amount > counter.limit:
+            return ApiError(
+                429,
+                f"This request may use {counter.amount} tokens, more than {counter.owner}'s "
+                f"token budget of {counter.limit} per period; lower max_tokens (without it the "
+                "whole output the model allows is reserved).",
+                "insufficient_quota",
+            )
         return ApiError(
             429,
-            "This key's token budget for the period is used up.",
+            f"{counter.owner[:1].upper()}{counter.owner[1:]}'s token budget for the period "
+            "is used up.",
             "insufficient_quota",
             retry_after=retry,
         )
     if counter.amount > counter.limit:
         return ApiError(
             429,
-            f"This request may use {counter.amount} tokens, more than the key's "
-            f"{counter.limit} tokens per minute; lower max_tokens.",
+            f"This request may use {counter.amount} tokens, more than {counter.owner}'s "
+            f"{counter.limit} tokens per minute; lower max_tokens (without it the whole output "
+            "the model allows is reserved).",
             "rate_limit_exceeded",
         )
     what = "requests" if counter.kind == "rpm" else "tokens"
     return ApiError(
         429,
-        f"Rate limit reached: {counter.limit} {what} per minute for this key.",
+        f"Rate limit reached: {counter.limit} {what} per minute for {counter.owner}.",
         "rate_limit_exceeded",
         retry_after=retry,
     )
@@ -248,7 +310,7 @@ def store() -> Store:
 
 async def reserve(key: KeyInfo, tokens: int, now: float | None = None) -> Reservation:
     """Take this request's share of every limit of its key, or raise 429."""
-    if key.rpm_limit is None and key.tpm_limit is None and key.token_budget is None:
+    if not key.scopes:
         return NO_RESERVATION
     now = time.time() if now is None else now
     counters = counters_for(key, tokens, now)

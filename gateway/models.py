@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.contrib.auth.models import Group
 from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
@@ -48,6 +49,59 @@ class ApiKey(models.Model):
         return f"{self.prefix}… ({self.name or self.user})"
 
 
+class Limits(models.Model):
+    """Limits as a user's or a team's: the same fields a key has. A key's effective limits are
+    the narrowest of its own, its owner's and its owner's teams' (``gateway.keys``); a user's
+    or team's budget counts spend across all their keys."""
+
+    allowed_models = models.JSONField(
+        default=list, blank=True, help_text='Model names, e.g. ["llama3"]; empty: every model.'
+    )
+    rpm_limit = models.PositiveIntegerField(null=True, blank=True, help_text="Requests per minute.")
+    tpm_limit = models.PositiveIntegerField(null=True, blank=True, help_text="Tokens per minute.")
+    token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Tokens per budget period."
+    )
+    budget_period = models.CharField(
+        max_length=10, choices=ApiKey.BudgetPeriod.choices, default=ApiKey.BudgetPeriod.MONTH
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        abstract = True
+
+
+class UserLimits(Limits):
+    """One person's limits, over every key they hold, and whether they may make keys."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="llmgw_limits"
+    )
+    self_service = models.BooleanField(
+        default=True, help_text="May make their own keys at /account/."
+    )
+
+    class Meta:
+        verbose_name = "user limits"
+        verbose_name_plural = "user limits"
+
+    def __str__(self) -> str:
+        return f"limits of {self.user}"
+
+
+class TeamLimits(Limits):
+    """A team's (a Django group's) limits, over every key its members hold."""
+
+    team = models.OneToOneField(Group, on_delete=models.CASCADE, related_name="llmgw_limits")
+
+    class Meta:
+        verbose_name = "team limits"
+        verbose_name_plural = "team limits"
+
+    def __str__(self) -> str:
+        return f"limits of team {self.team}"
+
+
 class Endpoint(models.Model):
     """A static upstream (an engine llmgw does not run) for router-only deployments."""
 
@@ -79,8 +133,19 @@ class Endpoint(models.Model):
             raise ValidationError({"url": f"This URL {problem}."})
 
 
+class UsageSource(models.TextChoices):
+    """Where a usage row's token counts came from."""
+
+    ENGINE = "engine", "reported by the engine"
+    TOKENIZED = "tokenized", "counted by the engine's tokenizer"
+    ESTIMATED = "estimated", "estimated (no tokenizer answered)"
+    NONE = "", "none"
+
+
 class UsageRecord(models.Model):
     """One row per request, keyed by its request id so a replayed write cannot count twice."""
+
+    Source = UsageSource
 
     class FinishReason(models.TextChoices):
         STOP = "stop", "stop"
@@ -109,6 +174,13 @@ class UsageRecord(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
+    usage_source = models.CharField(
+        max_length=10,
+        choices=UsageSource.choices,
+        blank=True,
+        default="",
+        help_text="Where the token counts came from (empty: nothing was generated).",
+    )
     ttft_ms = models.FloatField(null=True, blank=True)
     duration_ms = models.FloatField(default=0)
     finish_reason = models.CharField(

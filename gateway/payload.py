@@ -1,11 +1,13 @@
 """What the gateway reads from request and response bodies, as pure functions over bytes.
 
 The body is forwarded as the client sent it. Only ``model``, ``stream`` and
-``stream_options`` decide anything (plus ``max_tokens``/``n``, read to reserve tokens against
-limits and to answer a wrong type with a 400 that names the field). The one change ever made:
-a stream whose client did not ask for ``stream_options.include_usage`` gets it spliced in,
-because usage is only reported on streams that ask; the extra chunk is hidden again on the way
-back (``SseFilter``).
+``stream_options`` decide anything (plus the max-token fields and ``n``, read to reserve tokens
+against limits and to answer a wrong type with a 400 that names the field). Two changes are
+ever made: a stream whose client did not ask for ``stream_options.include_usage`` gets it
+spliced in, because usage is only reported on streams that ask (the extra chunk is hidden
+again on the way back, ``SseFilter``); and where a token limit applies, the max-token fields
+are bound to what was reserved (``with_output_cap``), so no engine can produce more than was
+admitted.
 
 JSON is parsed with orjson (request bodies, usage events), measured at a fifth of the standard
 library's CPU on a chat body. orjson refuses a few documents that Python's json accepts
@@ -33,8 +35,19 @@ _USAGE_KEY = b'"usage"'
 # parse (measured: parsing every event was three quarters of the relay's CPU per event).
 _USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+_DONE = b"[DONE]"
+DONE_EVENT = b"data: [DONE]\n\n"
+# The events that end a Responses API stream; chat-style streams end with ``data: [DONE]``.
+_RESPONSE_ENDS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"')
 _DECODER = json.JSONDecoder()
-_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n")
+MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_INTEGER_FIELDS = (*MAX_TOKEN_FIELDS, "n")
+# The field each route's engines read for the output cap, written when the client sent none.
+_CAP_FIELD = {"responses": "max_output_tokens"}
+# Every reported count is clamped to this (PostgreSQL's integer, and far past any real request).
+MAX_COUNT = 2**31 - 1
+# A stream's relayed bytes kept for counting when the engine reports no usage.
+KEEP_BYTES = 4 * 1024 * 1024
 
 
 def loads(data: bytes) -> Any:
@@ -52,8 +65,8 @@ class Inspected:
     model: str
     stream: bool
     client_wants_usage: bool  # the client asked include_usage itself: show it the usage chunk
-    max_tokens: int | None
-    n: int
+    max_tokens: int | None  # the largest max-token field; 0 and null count as absent
+    n: int  # choices per prompt times prompts (a batch of completions prompts)
     forward_body: bytes  # what the upstream receives
     usage_added: bool = False  # include_usage was spliced in for the engine
     data: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
@@ -104,18 +117,21 @@ def inspect(body: bytes, route: RelayRoute, *, max_items: int) -> Inspected:
     if stream and not route.streams:
         raise bad_field("stream", "false for this endpoint")
     max_tokens = None
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+    for name in MAX_TOKEN_FIELDS:
         value = data.get(name)
         if value is None:
             continue
         if not _is_int(value) or value < 0:
             raise bad_field(name, "a non-negative integer")
-        max_tokens = value
+        # The largest wins, whatever the order: an engine may honour any one of them.
+        if value > 0 and (max_tokens is None or value > max_tokens):
+            max_tokens = value
     n = data.get("n", 1)
     if n is None:
         n = 1
     if not _is_int(n) or n < 1:
         raise bad_field("n", "a positive integer")
+    n *= _prompt_count(data.get("prompt")) if route.kind == "completions" else 1
     for name in ("messages", "input"):
         items = data.get(name)
         if isinstance(items, list) and len(items) > max_items:
@@ -136,6 +152,37 @@ def inspect(body: bytes, route: RelayRoute, *, max_items: int) -> Inspected:
     return Inspected(model, stream, wants_usage, max_tokens, n, forward, forward is not body, data)
 
 
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts a completions request carries: a list of strings or of token lists is
+    a batch, each prompt generating its own choices."""
+    if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+        return len(prompt)
+    return 1
+
+
+def with_output_cap(inspected: Inspected, route: RelayRoute, cap: int) -> Inspected:
+    """The request with every max-token field it carries no larger than ``cap`` (per choice),
+    and the route's own field set to ``cap`` when it carries none: what binds the engine to
+    the tokens reserved for it."""
+    data = dict(inspected.data)
+    if inspected.usage_added:
+        data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+    present = [name for name in MAX_TOKEN_FIELDS if data.get(name) is not None]
+    changed = False
+    for name in present:
+        # A 0 means "absent" to the reservation, so it is bound like an absent field.
+        if data[name] == 0 or data[name] > cap:
+            data[name] = cap
+            changed = True
+    if not any(data.get(name) for name in present):
+        data[_CAP_FIELD.get(route.kind, "max_tokens")] = cap
+        changed = True
+    if not changed:
+        return inspected
+    body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    return replace(inspected, forward_body=body, data=data)
+
+
 def with_include_usage(body: bytes, data: dict[str, Any]) -> bytes:
     """The body with ``stream_options.include_usage`` on. Spliced after the opening brace when
     the client sent no ``stream_options`` (its bytes stay as they were); re-serialized only
@@ -154,29 +201,44 @@ class Tokens:
     prompt: int = 0
     completion: int = 0
     cached: int = 0
+    # The counts the upstream reported outside 0..MAX_COUNT, as reported (for the Event).
+    clamped: tuple[tuple[str, str], ...] = ()
+
+
+def clamp_count(value: Any) -> int:
+    """A token count as a row can hold it: an integer in 0..2^31-1 (pure)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return 0
+    return min(value, MAX_COUNT)
 
 
 def tokens_of(usage: Any) -> Tokens | None:
     """Normalize a usage object: chat/completions/embeddings (prompt_/completion_tokens) and
-    the Responses API (input_/output_tokens)."""
+    the Responses API (input_/output_tokens). Counts are clamped to 0..2^31-1; what was
+    clamped is noted, so an engine reporting nonsense is seen rather than trusted."""
     if not isinstance(usage, dict):
         return None
+    clamped: list[tuple[str, str]] = []
 
     def number(*names: str) -> int:
         for name in names:
             value = usage.get(name)
-            if isinstance(value, int):
-                return value
+            if isinstance(value, int) and not isinstance(value, bool):
+                if clamp_count(value) != value:
+                    clamped.append((name, str(value)[:40]))
+                return clamp_count(value)
         return 0
 
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int) and clamp_count(cached) != cached:
+        clamped.append(("cached_tokens", str(cached)[:40]))
     prompt = number("prompt_tokens", "input_tokens")
     completion = number("completion_tokens", "output_tokens")
     if prompt == 0 and completion == 0:
         # Embeddings and rerank may report only a total.
         prompt = number("total_tokens")
-    return Tokens(prompt, completion, cached if isinstance(cached, int) else 0)
+    return Tokens(prompt, completion, clamp_count(cached), tuple(clamped))
 
 
 def usage_of_body(body: bytes) -> tuple[Tokens | None, str]:
@@ -233,6 +295,14 @@ class SseFilter:
     tokens: Tokens | None = None
     finish_reason: str = ""
     events: int = 0
+    # The stream's terminal event was seen. ``data: [DONE]`` itself is held back (``done``):
+    # the relay sends it last, after a usage chunk it may have to add.
+    terminal: bool = False
+    done: bool = False
+    # What was relayed (the blocks already in hand, not copies), in case the engine reports
+    # no usage and it must be counted; up to KEEP_BYTES.
+    blocks: list[bytes] = field(default_factory=list, repr=False)
+    kept: int = 0
     _pending: bytes = field(default=b"", repr=False)
 
     def feed(self, chunk: bytes) -> bytes:
@@ -249,7 +319,14 @@ class SseFilter:
             self._pending = data
             return b""
         complete, self._pending = data[:end], data[end:]
+        if self.kept < KEEP_BYTES:
+            self.blocks.append(complete)
+            self.kept += len(complete)
         self.events += complete.count(b"\n\n") + complete.count(b"\r\n\r\n")
+        if _DONE in complete:
+            return self._with_usage(complete)
+        if b'"response.' in complete and any(end in complete for end in _RESPONSE_ENDS):
+            self.terminal = True
         if _USAGE_KEY not in complete or not _USAGE_OBJECT.search(complete):
             # Compact JSON as engines write it; a finish reason is also read from usage events.
             if b'"finish_reason":"' in complete or b'"finish_reason": "' in complete:
@@ -269,6 +346,10 @@ class SseFilter:
     def _with_usage(self, complete: bytes) -> bytes:
         kept: list[bytes] = []
         for event in _EVENT_END.split(complete)[:-1]:
+            if _DONE in event and event.strip() in (b"data: [DONE]", b"data:[DONE]"):
+                self.terminal = self.done = True
+                self.events -= 1
+                continue
             if _USAGE_KEY in event and _USAGE_OBJECT.search(event) and self._read_usage(event):
                 continue
             if b'"finish_reason":"' in event or b'"finish_reason": "' in event:

@@ -29,7 +29,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from redis.exceptions import RedisError
 
-from gateway import limits, payload, responses, routing
+from gateway import counting, limits, payload, responses, routing
 from gateway.drain import drain
 from gateway.errors import ApiError, error_response, model_not_found
 from gateway.keys import KeyInfo
@@ -103,6 +103,7 @@ class Exchange:
     holding: routing.Upstream | None = None  # counted as outstanding until released
     started: bool = False
     finished: bool = False
+    being_counted: bool = False  # its tokens are being counted: the count task finishes it
     tried: set[str] = field(default_factory=set)
 
     @property
@@ -128,9 +129,17 @@ class Exchange:
         if self.usage.ttft_ms is None:
             self.usage.ttft_ms = (time.perf_counter() - self.clock_start) * 1000
 
-    def finish(self, status: int, reason: str, tokens: payload.Tokens | None = None) -> None:
+    def finish(
+        self,
+        status: int,
+        reason: str,
+        tokens: payload.Tokens | None = None,
+        source: str = counting.ENGINE,
+        *,
+        counted: bool = False,
+    ) -> None:
         """Close the request: exactly one usage record, whatever path ended it."""
-        if self.finished:
+        if self.finished or (self.being_counted and not counted):
             return
         self.finished = True
         self.drop_hold()
@@ -142,8 +151,11 @@ class Exchange:
             usage.prompt_tokens = tokens.prompt
             usage.completion_tokens = tokens.completion
             usage.cached_tokens = tokens.cached
+            usage.source = source
         if settings.LLMGW_USAGE_ACCOUNTING:
             recorder.finish(usage)
+            if tokens is not None and tokens.clamped:
+                recorder.note_clamped(usage, tokens.clamped)
         # The catalog's name, never the client's string: clients cannot grow the label set.
         metrics.observe_request(
             self.route.name if self.route is not None else metrics.UNKNOWN_MODEL,
@@ -155,6 +167,55 @@ class Exchange:
         )
         if self.reservation.counters:
             limits.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens)
+
+    def finish_uncounted(
+        self,
+        status: int,
+        reason: str,
+        upstream: routing.Upstream,
+        completions: list[str],
+        relayed_events: int | None,
+    ) -> None:
+        """Close a request its engine reported no usage for: counted in the background (the
+        engine's tokenizer, or an estimate), then recorded. Nothing else may finish it."""
+        if self.finished or self.being_counted:
+            return
+        self.being_counted = True
+        self.drop_hold()
+        task = asyncio.get_running_loop().create_task(
+            self._count_then_finish(status, reason, upstream, completions, relayed_events)
+        )
+        _counting.add(task)
+        task.add_done_callback(_counting.discard)
+
+    async def _count_then_finish(
+        self,
+        status: int,
+        reason: str,
+        upstream: routing.Upstream,
+        completions: list[str],
+        relayed_events: int | None,
+    ) -> None:
+        try:
+            counted = await self.count(upstream, completions, relayed_events)
+        except Exception:
+            logger.exception("request %s: counting failed", self.request_id)
+            counted = await counting.count(None, self.prompt(), completions, relayed_events)
+        self.finish(status, reason, counted.tokens, counted.source, counted=True)
+
+    def prompt(self) -> counting.Prompt:
+        return counting.prompt_of(self.api_route.kind, self.body.data if self.body else {})
+
+    async def count(
+        self, upstream: routing.Upstream, completions: list[str], relayed_events: int | None
+    ) -> counting.Counted:
+        assert self.route is not None
+        tokenizer = counting.Tokenizer(pool(), upstream.base_url, self.route.name)
+        return await counting.count(tokenizer, self.prompt(), completions, relayed_events)
+
+
+# Count tasks in flight (held so they are not collected mid-count).
+_counting: set[asyncio.Task[None]] = set()
 
 
 _id_prefix: tuple[int, str] = (-1, "")
@@ -170,6 +231,14 @@ def new_request_id() -> str:
     if _id_prefix[0] != pid:  # a forked child must not repeat its parent's ids
         _id_prefix = (pid, secrets.token_hex(8))
     return f"req_{_id_prefix[1]}{next(_id_counter):x}"
+
+
+def upstream_request_id(request_id: str) -> bytes:
+    """The request id as the engine is told it: the same hex digits in UUID form, because
+    llama-cpp-python's server refuses (400, empty body) any X-Request-Id that is not a UUID,
+    while vLLM and SGLang take any string."""
+    digits = request_id[4:20] + request_id[20:].rjust(16, "0")[-16:]
+    return (f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:32]}").encode()
 
 
 def _start_background() -> None:
@@ -231,9 +300,17 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
     ex.route = route
     if body.model != route.name:
         ex.body = body = body.for_model(route.name)
-    ex.reservation = await limits.reserve(
-        ex.key, limits.estimate_tokens(len(raw), body.max_tokens, body.n)
+    plan = limits.plan(
+        len(raw),
+        body.max_tokens,
+        body.n,
+        generates=ex.api_route.tag == "generation",
+        context_length=route.context_length,
     )
+    ex.reservation = await limits.reserve(ex.key, plan.tokens)
+    if plan.output_cap is not None and ex.reservation.token_counters():
+        # A token limit applies: the engine is told the cap that was reserved, never more.
+        ex.body = body = payload.with_output_cap(body, ex.api_route, plan.output_cap)
     upstreams.note_request(route, None)
     if not route.upstreams:
         if body.stream:
@@ -430,7 +507,7 @@ async def _attempt(
                 upstream.base_url,
                 ex.api_route.path,
                 ex.body.forward_body,
-                headers + b"X-Request-Id: " + ex.request_id.encode() + b"\r\n",
+                headers + b"X-Request-Id: " + upstream_request_id(ex.request_id) + b"\r\n",
                 connect_timeout=deadlines.connect,
                 addresses=upstream.addresses,
             )
@@ -510,7 +587,10 @@ async def _relay_body(ex: Exchange, opened: Opened) -> Response:
     response = opened.response
     status = response.status
     tokens, reason = payload.usage_of_body(body) if status == 200 else (None, "")
-    ex.finish(status, reason if status == 200 else Reason.UPSTREAM_ERROR, tokens)
+    if status == 200 and tokens is None:
+        ex.finish_uncounted(status, reason, opened.upstream, counting.body_texts(body), None)
+    else:
+        ex.finish(status, reason if status == 200 else Reason.UPSTREAM_ERROR, tokens)
     return responses.whole(
         status,
         body,
@@ -550,7 +630,8 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
     except UpstreamError:
         failure = ApiError(502, "The upstream failed mid-stream.", "upstream_error")
     except (asyncio.CancelledError, GeneratorExit):
-        ex.finish(200, _cut_short(), _partial(sse))
+        # Billed the prompt and what was relayed (the engine's count if it gave one).
+        _finish_stream(ex, opened, sse, _cut_short())
         raise
     finally:
         if clean:
@@ -560,13 +641,22 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
             # stop generating for a client that is gone.
             response.close()
     rest = sse.rest()
+    if failure is None and not sse.terminal:
+        # The connection ended cleanly but the stream did not: an engine that crashed or was
+        # cut off mid-answer. Relayed as it was, the client would take it for a whole answer.
+        failure = ApiError(
+            502,
+            "The upstream ended the stream before its last event; the answer is incomplete.",
+            "upstream_truncated",
+        )
     if failure is not None:
         upstreams.eject(opened.upstream)
         metrics.observe_upstream_error(
-            ex.route.name, "idle_timeout" if failure.status == 504 else "after_first_byte"
+            ex.route.name,
+            {504: "idle_timeout"}.get(failure.status, "after_first_byte"),
         )
-        ex.finish(
-            200, Reason.TIMEOUT if failure.status == 504 else Reason.UPSTREAM_ERROR, _partial(sse)
+        _finish_stream(
+            ex, opened, sse, Reason.TIMEOUT if failure.status == 504 else Reason.UPSTREAM_ERROR
         )
         yield (
             rest + failure.sse_event()
@@ -574,14 +664,29 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
             else (rest + b"\n\n" + failure.sse_event())
         )
         return
-    ex.finish(200, sse.finish_reason or Reason.STOP, sse.tokens)
     if rest:
         yield rest
+    reason = sse.finish_reason or Reason.STOP
+    if sse.tokens is None and ex.body.client_wants_usage and ex.api_route.chunked:
+        # The client asked for usage and the engine gave none: count now, and send the one
+        # usage chunk OpenAI's format has, before [DONE].
+        relayed = counting.Relayed(sse.blocks)
+        completions, head = relayed.parsed()
+        counted = await ex.count(opened.upstream, completions, relayed.content_events)
+        ex.finish(200, reason, counted.tokens, counted.source)
+        yield counting.usage_chunk(head, counted.tokens, ex.api_route.kind)
+    else:
+        _finish_stream(ex, opened, sse, reason)
+    if sse.done:
+        yield payload.DONE_EVENT
 
 
-def _partial(sse: payload.SseFilter) -> payload.Tokens | None:
-    """Usage for a stream cut short: the engine's last report, else one token per relayed event
-    after the role chunk (engines send one token per event), with the prompt unknown."""
+def _finish_stream(ex: Exchange, opened: Opened, sse: payload.SseFilter, reason: str) -> None:
+    """One usage row for a stream however it ended: the engine's last report, else counted in
+    the background from what was relayed."""
     if sse.tokens is not None:
-        return sse.tokens
-    return payload.Tokens(completion=max(0, sse.events - 1))
+        ex.finish(200, reason, sse.tokens)
+        return
+    relayed = counting.Relayed(sse.blocks)
+    completions, _ = relayed.parsed()
+    ex.finish_uncounted(200, reason, opened.upstream, completions, relayed.content_events)

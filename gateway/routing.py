@@ -40,6 +40,9 @@ class CatalogRow:
     first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
     default_profile: str = ""
+    # Tokens the model takes, prompt and output together: the output reserved for a request
+    # that sets no max-token field. None where not known.
+    context_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Route:
     connect_timeout_s: float | None = None
     first_byte_timeout_s: float | None = None
     stream_idle_timeout_s: float | None = None
+    context_length: int | None = None  # see CatalogRow
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,7 @@ class Table:
             connect_timeout_s=catalog.connect_timeout_s,
             first_byte_timeout_s=catalog.first_byte_timeout_s,
             stream_idle_timeout_s=catalog.stream_idle_timeout_s,
+            context_length=catalog.context_length,
         )
 
 

@@ -14,6 +14,16 @@ normal exit flush the queue at exit and close what is still in flight the same w
 
 Each journal is a segment: once everything in it is in the store, a new segment is started
 (carrying over the requests still in flight) and the old one deleted, so journals stay small.
+
+A journal's name starts with the id of the store it was written for (``store_id``): a sweep
+replays only journals of the store it is connected to, so pointing a checkout at another
+database never pours one store's rows into the other.
+
+Numbers from upstreams are data, not trust: every count is clamped to 0..2^31-1 before it is
+written. A batch the store refuses is retried row by row; a row it still refuses goes to the
+dead-letter journal (``dead-letter/<store>.jsonl`` beside the journals), is counted in
+``llmgw_usage_dead_letters`` and recorded as an Event, and never holds back the rows behind
+it. Only an unreachable store (which refuses every row alike) keeps rows queued for a retry.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -40,13 +52,18 @@ from django.contrib.auth import get_user_model
 from django.db import (
     DatabaseError,
     IntegrityError,
+    InterfaceError,
+    OperationalError,
     connection,
     transaction,
 )
 from django.utils import timezone
 
+from control import serving
 from gateway import dbthread
 from gateway.models import ApiKey, UsageRecord
+from gateway.payload import clamp_count
+from llmgw_site import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +73,11 @@ SEGMENT_BYTES = 4 * 1024 * 1024
 SEGMENT_SECONDS = 60.0
 SWEEP_EVERY_S = 30.0
 BATCH = 1000
+DEAD_LETTER_DIR = "dead-letter"
+EVENT_EVERY_S = 60.0
+# The store is not there (down, unreachable, locked): every row would fail alike, so rows stay
+# queued and journaled for a later try instead of being judged one by one.
+_STORE_DOWN = (OperationalError, InterfaceError)
 
 
 @dataclass
@@ -74,6 +96,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    source: str = ""  # engine | tokenized | estimated
     ttft_ms: float | None = None
     duration_ms: float = 0.0
     finish_reason: str = ""
@@ -94,9 +117,11 @@ class Usage:
             self.upstream[:300],
             self.status,
             self.stream,
-            self.prompt_tokens,
-            self.completion_tokens,
-            self.cached_tokens,
+            # Clamped again here: a journal written before counts were checked must replay.
+            clamp_count(self.prompt_tokens),
+            clamp_count(self.completion_tokens),
+            clamp_count(self.cached_tokens),
+            self.source[:10],
             self.ttft_ms,
             self.duration_ms,
             self.finish_reason,
@@ -117,6 +142,7 @@ COLUMNS = (
     "prompt_tokens",
     "completion_tokens",
     "cached_tokens",
+    "usage_source",
     "ttft_ms",
     "duration_ms",
     "finish_reason",
@@ -135,11 +161,11 @@ _MODEL_COLUMNS = {f.column for f in UsageRecord._meta.concrete_fields if not f.p
 assert set(COLUMNS) == _MODEL_COLUMNS, "UsageRecord changed: update gateway.usage.COLUMNS"
 
 
-def _line(kind: str, usage: Usage) -> bytes:
+def _line(kind: str, usage: Usage, **extra: Any) -> bytes:
     # vars(), not dataclasses.asdict(): the fields are flat, and asdict's recursive deep copy
     # cost ~170 us per call. orjson: 1.7 us a line against 7.4 us for json.dumps (measured),
     # which with the 0.5 us write(2) is cheap enough to journal both lines on the request path.
-    entry = {"t": kind, **vars(usage)}
+    entry = {"t": kind, **vars(usage), **extra}
     try:
         return orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE)
     except TypeError:
@@ -147,8 +173,22 @@ def _line(kind: str, usage: Usage) -> bytes:
         return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
 
 
-def store_rows(records: Iterable[Usage]) -> int:
-    """Write rows that are not there yet (runs in the database thread). Returns how many."""
+def store_id() -> str:
+    """Which store this process writes to: its engine, host, port and database name, hashed.
+    Journals carry it in their names so that each is replayed only into its own store."""
+    config = connection.settings_dict
+    name = str(config.get("NAME") or "")
+    if connection.vendor == "sqlite" and name and not name.startswith((":memory:", "file:")):
+        name = os.path.realpath(name)
+    raw = f"{connection.vendor}|{config.get('HOST') or ''}|{config.get('PORT') or ''}|{name}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:12]
+
+
+def store_rows(records: Iterable[Usage], directory: Path | None = None) -> int:
+    """Write rows that are not there yet (runs in the database thread). Returns how many rows
+    were dealt with: stored, or refused by the store and set aside in the dead-letter journal
+    under ``directory`` (default: the journal folder). Raises only when the store cannot be
+    reached, leaving the rows to be tried again."""
     dbthread.ready()
     records = list(records)
     if not records:
@@ -157,18 +197,77 @@ def store_rows(records: Iterable[Usage]) -> int:
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.executemany(INSERT_SQL, [r.values(created_at) for r in records])
-    except IntegrityError:
-        # A key or user deleted while its requests were queued: keep the rows, as the
-        # foreign keys' SET_NULL would have, instead of failing the batch forever.
-        records = _without_deleted_owners(records)
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.executemany(INSERT_SQL, [r.values(created_at) for r in records])
+    except _STORE_DOWN:
+        raise
+    except Exception:
+        # One row the store refuses fails its whole batch: find it, and keep the others.
+        _store_one_by_one(records, created_at, directory)
     keys = {r.api_key_id for r in records if r.api_key_id is not None}
     if keys:
         # Coalesced here rather than written by each request.
-        last = datetime.fromtimestamp(max(r.started_at for r in records), tz=UTC)
+        last = datetime.fromtimestamp(max(_finite(r.started_at) for r in records), tz=UTC)
         ApiKey.objects.filter(pk__in=keys).update(last_used_at=last)
     return len(records)
+
+
+def _finite(timestamp: float) -> float:
+    return timestamp if 0 <= timestamp < 32503680000 else time.time()  # before year 3000
+
+
+def _store_one_by_one(records: list[Usage], created_at: Any, directory: Path | None) -> None:
+    refused: list[tuple[Usage, str]] = []
+    for record in records:
+        try:
+            _insert_one(record, created_at)
+        except _STORE_DOWN:
+            raise
+        except IntegrityError:
+            # A key or user deleted while its requests were queued: keep the row, as the
+            # foreign keys' SET_NULL would have. Anything else it breaks is the row's own.
+            try:
+                _insert_one(_without_deleted_owners([record])[0], created_at)
+            except _STORE_DOWN:
+                raise
+            except Exception as exc:
+                refused.append((record, _describe(exc)))
+        except Exception as exc:
+            refused.append((record, _describe(exc)))
+    if refused:
+        dead_letter(refused, directory)
+
+
+def _insert_one(record: Usage, created_at: Any) -> None:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(INSERT_SQL, record.values(created_at))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def dead_letter(refused: list[tuple[Usage, str]], directory: Path | None = None) -> None:
+    """Set rows the store refused aside: a line each in the dead-letter journal (kept for an
+    operator to read and fix, never replayed by itself), the metric, and one Event."""
+    folder = (directory or Path(settings.LLMGW_USAGE_JOURNAL_DIR)) / DEAD_LETTER_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{store_id()}.jsonl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for record, error in refused:
+            os.write(fd, _line("x", record, error=error))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    metrics.USAGE_DEAD_LETTERS.inc(len(refused))
+    first, error = refused[0]
+    logger.error("%d usage rows refused by the store, kept in %s: %s", len(refused), path, error)
+    with contextlib.suppress(DatabaseError):
+        serving.record_gateway_event(
+            f"usage/{first.upstream or first.endpoint}"[:200],
+            f"{len(refused)} usage row(s) refused by the store and kept in the dead-letter "
+            f"journal {path.name}: {error}",
+            {"request_ids": [r.request_id for r, _ in refused[:20]], "file": str(path)},
+        )
 
 
 def _without_deleted_owners(records: list[Usage]) -> list[Usage]:
@@ -185,6 +284,9 @@ def _without_deleted_owners(records: list[Usage]) -> list[Usage]:
             copy.user_id = None
         kept.append(copy)
     return kept
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Usage))
 
 
 def interrupted(start: Usage, now: float) -> Usage:
@@ -204,8 +306,10 @@ def read_journal(path: Path) -> list[Usage]:
             try:
                 entry = json.loads(raw)
                 kind = entry.pop("t")
-                usage = Usage(**entry)
-            except (ValueError, TypeError, KeyError):
+                # Fields this version does not know (a newer one wrote the line) are dropped
+                # rather than costing the row.
+                usage = Usage(**{k: v for k, v in entry.items() if k in _FIELDS})
+            except (ValueError, TypeError, KeyError, AttributeError):
                 continue  # a line cut short by a crash: its request has another line or none
             (done if kind == "d" else started)[usage.request_id] = usage
     now = time.time()
@@ -215,31 +319,67 @@ def read_journal(path: Path) -> list[Usage]:
 
 
 def sweep(directory: Path) -> int:
-    """Replay and delete the journals of processes that are gone. Returns rows replayed."""
+    """Replay and delete the journals of processes that are gone, for this store only.
+    Returns rows replayed. Never raises for a journal: one that cannot be replayed now (the
+    store is down) stays for the next sweep, so start-up is never held up by it."""
     replayed = 0
     if not directory.is_dir():
         return 0
+    mine = store_id()
     for path in sorted(directory.glob("*.journal")):
+        if not path.name.startswith(mine + "."):
+            _note_foreign(path)
+            continue
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue  # another sweeper took it
-        try:
-            try:
-                # The owner holds this lock for its whole life: getting it means the owner died.
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            if not path.exists():
-                continue
-            rows = read_journal(path)
-            store_rows(rows)
-            replayed += len(rows)
-            path.unlink()
-            logger.info("replayed %d usage rows from %s", len(rows), path.name)
-        finally:
-            os.close(fd)
+            replayed += _replay(path, directory)
+        except Exception as exc:
+            logger.warning("usage journal %s not replayed yet: %s", path.name, _describe(exc))
+            if isinstance(exc, _STORE_DOWN):
+                break  # the others would fail alike
     return replayed
+
+
+_foreign_noted: set[str] = set()
+
+
+def _note_foreign(path: Path) -> None:
+    if path.name not in _foreign_noted:
+        _foreign_noted.add(path.name)
+        logger.warning(
+            "usage journal %s was written for another store; left for that store", path.name
+        )
+
+
+def _replay(path: Path, directory: Path) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return 0  # another sweeper took it
+    try:
+        try:
+            # The owner holds this lock for its whole life: getting it means the owner died.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0
+        if not path.exists():
+            return 0
+        rows = read_journal(path)
+        store_rows(rows, directory)
+        path.unlink()
+        logger.info("replayed %d usage rows from %s", len(rows), path.name)
+        return len(rows)
+    finally:
+        os.close(fd)
+
+
+def _write_events(events: list[tuple[str, str, dict[str, Any]]]) -> None:
+    dbthread.ready()
+    for subject, message, data in events:
+        logger.warning("%s: %s", subject, message)
+        try:
+            serving.record_gateway_event(subject, message, data)
+        except DatabaseError as exc:
+            logger.warning("event not recorded: %s", exc)
 
 
 class Recorder:
@@ -256,6 +396,9 @@ class Recorder:
         self._wake: asyncio.Event | None = None
         self._pid = -1
         self._exit_hook = False
+        # Events to write with the next batch (bounded), and when each subject last had one.
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+        self._event_at: dict[str, float] = {}
 
     # --- the request path: appends only -------------------------------------------------
 
@@ -272,6 +415,26 @@ class Recorder:
         self.queue.append(usage)
         if len(self.queue) >= BATCH and self._wake is not None:
             self._wake.set()
+
+    def note_clamped(self, usage: Usage, clamped: tuple[tuple[str, str], ...]) -> None:
+        """An upstream reported counts no row can hold; they were clamped. One Event per
+        upstream a minute says so (a broken engine would otherwise write one per request)."""
+        metrics.USAGE_CLAMPED.inc(len(clamped))
+        subject = f"upstream/{usage.upstream or usage.endpoint}"
+        now = time.monotonic()
+        if now - self._event_at.get(subject, -EVENT_EVERY_S) < EVENT_EVERY_S:
+            return
+        self._event_at[subject] = now
+        if len(self.events) < 100:
+            reported = ", ".join(f"{name}={value}" for name, value in clamped)
+            self.events.append(
+                (
+                    subject,
+                    f"{usage.upstream or 'an upstream'} reported {reported} for request "
+                    f"{usage.request_id} ({usage.model}); clamped to 0..{2**31 - 1}",
+                    {"request_id": usage.request_id, "reported": dict(clamped)},
+                )
+            )
 
     # --- background ------------------------------------------------------------------------
 
@@ -315,6 +478,9 @@ class Recorder:
             self._wake.clear()
 
     async def flush(self) -> int:
+        if self.events:
+            events, self.events = self.events, []
+            await sync_to_async(_write_events)(events)
         if not self.queue:
             return 0
         batch = self.queue[:]
@@ -345,7 +511,7 @@ class Recorder:
         directory = self.directory()
         directory.mkdir(parents=True, exist_ok=True)
         self._pid = os.getpid()
-        path = directory / f"{self._pid}-{secrets.token_hex(4)}.journal"
+        path = directory / f"{store_id()}.{self._pid}-{secrets.token_hex(4)}.journal"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         # Requests in flight are carried over, so the old segment can go once it is stored.

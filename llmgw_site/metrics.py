@@ -69,6 +69,14 @@ DURATION = Histogram(
     ["model", "status"],
     buckets=DURATION_BUCKETS,
 )
+USAGE_DEAD_LETTERS = Counter(
+    "llmgw_usage_dead_letters",
+    "Usage rows the store refused even alone, kept in the dead-letter journal instead.",
+)
+USAGE_CLAMPED = Counter(
+    "llmgw_usage_clamped",
+    "Token counts an upstream reported outside 0..2^31-1, clamped before they were recorded.",
+)
 UPSTREAM_ERRORS = Counter(
     "llmgw_upstream_errors",
     "Failed attempts to reach an engine or static endpoint, by model and reason.",

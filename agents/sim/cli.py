@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse /v1 calls without this bearer key, as vLLM does (default: VLLM_API_KEY; "
         "the environment keeps it out of the process list)",
     )
+    add("--no-tokenize", action="store_true", help="no POST /tokenize (an engine without one)")
     add("--log-level", default="INFO")
     return parser
 
@@ -73,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         shutdown_grace=args.shutdown_grace,
         api_key=args.api_key,
         exit_on_crash=True,
+        tokenize=not args.no_tokenize,
     )
 
 

@@ -18,6 +18,7 @@ import random
 import struct
 import threading
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
@@ -36,9 +37,11 @@ from agents.sim.http1 import (
 from agents.sim.wire import (
     HANG_BEFORE_FIRST_BYTE,
     HANG_MID_STREAM,
+    MESSAGE_OVERHEAD_TOKENS,
     NO_FAULTS,
     Faults,
     Generation,
+    content_words,
     count_chat_prompt_tokens,
     count_responses_input_tokens,
     count_text_tokens,
@@ -103,6 +106,7 @@ class SimConfig:
     # The CLI exits the process; an in-process server only drops its connections and stops
     # listening, because exiting would take the test runner down with it.
     exit_on_crash: bool = False
+    tokenize: bool = True  # serve vLLM's POST /tokenize
 
     def __post_init__(self) -> None:
         """Refuse a configuration that would make the simulator lie, naming the flag."""
@@ -225,6 +229,8 @@ class SimServer:
             "/v1/models": {"GET": self._models},
             "/sim/faults": {"GET": self._faults, "POST": self._faults, "DELETE": self._faults},
         } | {path: inference for path in _KINDS}
+        if config.tokenize:
+            self._routes["/tokenize"] = {"POST": self._tokenize}
 
     # ---- lifecycle
 
@@ -432,6 +438,41 @@ class SimServer:
             self.set_faults(NO_FAULTS)
         conn.respond(200, dumps({"faults": self.faults.as_json(), "times": self.faults_times}))
 
+    def _tokenize(self, conn: Connection, request: Request) -> None:
+        """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` priced as the chat
+        route prices them; answers the count, the ids and the context length."""
+        body = _json_body(request)
+        self._require_ready()
+        model = body.get("model")
+        if model is not None and model not in self.config.names:
+            raise HttpError(404, f"The model `{model}` does not exist.")
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise HttpError(400, "messages must be a list")
+            words = [
+                w
+                for m in messages
+                if isinstance(m, dict)
+                for w in ["<msg>"] * MESSAGE_OVERHEAD_TOKENS + content_words(m.get("content"))
+            ]
+        elif isinstance(body.get("prompt"), str):
+            words = body["prompt"].split()
+        else:
+            raise HttpError(400, "Either prompt or messages must be provided.")
+        ids = [zlib.crc32(w.encode()) % 32000 for w in words]
+        conn.respond(
+            200,
+            dumps(
+                {
+                    "count": len(ids),
+                    "max_model_len": self.config.max_model_len,
+                    "tokens": ids,
+                    "token_strs": None,
+                }
+            ),
+        )
+
     # ---- inference
 
     def _inference(self, conn: Connection, request: Request) -> None:
@@ -452,7 +493,13 @@ class SimServer:
             raise HttpError(
                 faults.fail, f"Simulated engine failure ({faults.fail})", headers=headers
             )
-        instant = not (job.ttft or job.itl or faults.hang or faults.fail_after_tokens is not None)
+        instant = not (
+            job.ttft
+            or job.itl
+            or faults.hang
+            or faults.fail_after_tokens is not None
+            or faults.end_after_tokens is not None
+        )
         if instant and self._slots.try_acquire():
             try:
                 if job.stream:  # one write, one syscall: head, every event, the last chunk
@@ -523,6 +570,18 @@ class SimServer:
                     return
                 conn.respond(200, body)
                 self._record(job)
+                return
+            ended = faults.end_after_tokens
+            if ended is not None and ended < job.tokens:
+                # A clean end mid-answer: the last chunk of the body, no finish, no [DONE].
+                if ended:
+                    conn.write(frame(job.open_events()))
+                for i in range(1, ended + 1):
+                    await _sleep_until(first + job.itl * (i - 1))
+                    conn.write(frame(job.token_events(i)))
+                conn.write(LAST_CHUNK)
+                conn.finish()
+                self.stats.failed += 1
                 return
             if cut == 0:
                 await _sleep_until(first)

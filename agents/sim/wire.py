@@ -45,6 +45,19 @@ def count_text_tokens(text: str) -> int:
     return len(text.split())
 
 
+def content_words(content: object) -> list[str]:
+    """The words of a message's content (a string or a list of parts): what it costs."""
+    if isinstance(content, str):
+        return content.split()
+    words: list[str] = []
+    for part in content if isinstance(content, list) else ():
+        if isinstance(part, str):
+            words += part.split()
+        elif isinstance(part, dict) and isinstance(part.get("text"), str):
+            words += part["text"].split()
+    return words
+
+
 def _content_tokens(content: object) -> int:
     if isinstance(content, str):
         return count_text_tokens(content)
@@ -152,6 +165,12 @@ class Faults:
     output_tokens: int | None = None
     cached_tokens: int | None = None
     crash: bool = False
+    # Engines that misbehave the way real ones do: report no usage at all (llama.cpp's server
+    # in streams), end a stream cleanly after N tokens with no finish and no [DONE], or report
+    # a prompt count no row can hold.
+    no_usage: bool = False
+    end_after_tokens: int | None = None
+    report_prompt_tokens: int | None = None
 
     @classmethod
     def parse(cls, raw: object) -> Faults:
@@ -169,6 +188,12 @@ class Faults:
         crash = raw.get("crash", False)
         if not isinstance(crash, bool):
             raise ValueError("sim.crash must be a boolean")
+        no_usage = raw.get("no_usage", False)
+        if not isinstance(no_usage, bool):
+            raise ValueError("sim.no_usage must be a boolean")
+        reported = raw.get("report_prompt_tokens")
+        if reported is not None and (isinstance(reported, bool) or not isinstance(reported, int)):
+            raise ValueError("sim.report_prompt_tokens must be an integer (any, on purpose)")
         return cls(
             fail=_opt_int(raw, "fail", 400, 599),
             retry_after=_opt_float(raw, "retry_after"),
@@ -179,6 +204,9 @@ class Faults:
             output_tokens=_opt_int(raw, "output_tokens", 1),
             cached_tokens=_opt_int(raw, "cached_tokens", 0),
             crash=crash,
+            no_usage=no_usage,
+            end_after_tokens=_opt_int(raw, "end_after_tokens", 0),
+            report_prompt_tokens=reported,
         )
 
     def over(self, base: Faults) -> Faults:
@@ -253,10 +281,13 @@ class Generation:
     def usage(self, completion: int | None = None, *, final: bool = True) -> str:
         """The usage object; the per-chunk one (``final=False``) never carries details."""
         done = self.completion_tokens if completion is None else completion
+        prompt = self.prompt_tokens
+        if self.faults.report_prompt_tokens is not None:
+            prompt = self.faults.report_prompt_tokens
         text = (
-            f'{{"prompt_tokens":{self.prompt_tokens},"total_tokens":'
-            f'{self.prompt_tokens + done},"completion_tokens":{done}'
+            f'{{"prompt_tokens":{prompt},"total_tokens":{prompt + done},"completion_tokens":{done}'
         )
+
         if self.cached and final:
             return text + f',"prompt_tokens_details":{{"cached_tokens":{self.cached}}}}}'
         return text + "}"
@@ -290,6 +321,8 @@ class Generation:
         usage = (
             self.usage() if self.cached else self.usage()[:-1] + ',"prompt_tokens_details":null}'
         )
+        if self.faults.no_usage:
+            usage = "null"
         return (
             f'{{"id":{dumps(self.rid).decode()},"object":"{kind}","created":{self.created},'
             f'"model":{dumps(self.model).decode()},"choices":[{",".join(choices)}],'
@@ -312,7 +345,9 @@ class Generation:
         return f"{self.prefix}{choice}]}}\n\n".encode()
 
     def _step_usage(self, done: int) -> str | None:
-        return self.usage(done, final=False) if self.continuous else None
+        return (
+            self.usage(done, final=False) if self.continuous and not self.faults.no_usage else None
+        )
 
     def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **payload}
@@ -364,7 +399,7 @@ class Generation:
                 self._event("response.output_item.done", {"output_index": 0, "item": item}),
                 self._event("response.completed", {"response": self._response(final=True)}),
             ]
-        if self.include_usage:
+        if self.include_usage and not self.faults.no_usage:
             return [self._chunk("", self.usage()), DONE_EVENT]
         return [DONE_EVENT]
 

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.test import Client
 
 from gateway.keys import KEY_PREFIX, hash_key
@@ -169,3 +170,75 @@ def test_sign_out_needs_a_post_and_ends_the_session() -> None:
     assert client.get("/account/logout/").status_code == 405
     assert client.post("/account/logout/").status_code == 302
     assert client.get("/account/").status_code == 302
+
+
+# --------------------------------------------------------------------------- people's limits
+
+
+def limited_user(username: str, **limits: object) -> Client:
+    from gateway.models import UserLimits
+
+    client = signed_in(username)
+    UserLimits.objects.create(user=get_user_model().objects.get(username=username), **limits)
+    return client
+
+
+def loaded(prefix: str) -> object:
+    from gateway import keys
+
+    return keys._load(ApiKey.objects.get(prefix=prefix).key_hash)
+
+
+def test_a_key_made_at_account_inherits_its_owners_limits() -> None:
+    """Failure 5: a user given one model and a budget made a key that could use every model
+    with no limit at all."""
+    from gateway.models import TeamLimits
+
+    client = limited_user("alice", allowed_models=["small"], token_budget=1000, rpm_limit=5)
+    from django.contrib.auth.models import Group
+
+    team = Group.objects.create(name="ml")
+    team.user_set.add(get_user_model().objects.get(username="alice"))
+    TeamLimits.objects.create(team=team, tpm_limit=500)
+    page = client.post("/account/keys/", {"name": "laptop"}).content.decode()
+    match = KEY_RE.search(page)
+    assert match is not None
+    info = loaded(match.group(0)[:14])
+    assert info.may_use("small") and not info.may_use("large")  # type: ignore[attr-defined]
+    scopes = {s.name.split(":")[0]: s for s in info.scopes}  # type: ignore[attr-defined]
+    assert set(scopes) == {"user", "team"}  # the key sets nothing of its own
+    assert (scopes["user"].token_budget, scopes["user"].rpm_limit) == (1000, 5)
+    assert scopes["team"].tpm_limit == 500
+
+
+def test_a_key_made_at_account_can_only_narrow_its_owners_limits() -> None:
+    client = limited_user("alice", allowed_models=["small"], token_budget=1000)
+    response = client.post(
+        "/account/keys/", {"name": "x", "models": "small, large", "token_budget": "5000"}
+    )
+    assert response.status_code == 302
+    assert not ApiKey.objects.exists()
+    shown = client.get("/account/").content.decode()
+    assert "not large" in shown and "token budget 5000 is above your account" in shown
+    page = client.post(
+        "/account/keys/", {"name": "y", "models": "small", "token_budget": "10"}
+    ).content.decode()
+    key = ApiKey.objects.get()
+    assert KEY_RE.search(page) and (key.allowed_models, key.token_budget) == (["small"], 10)
+
+
+def test_staff_can_turn_self_service_off() -> None:
+    client = limited_user("alice", self_service=False)
+    assert "turned off making keys" in client.get("/account/").content.decode()
+    client.post("/account/keys/", {"name": "x"})
+    assert not ApiKey.objects.exists()
+
+
+def test_the_account_page_shows_the_users_limits_and_what_is_left() -> None:
+    client = limited_user("alice", token_budget=1000, rpm_limit=7)
+    _, key = make_key("alice")
+    make_usage(model="m", api_key=key, prompt_tokens=100, completion_tokens=150)
+    page = client.get("/account/").content.decode()
+    limits_table = page[page.index('id="lg-limits"') :]
+    assert "your account" in limits_table and "1000 per month" in limits_table
+    assert ">250<" in limits_table and ">750<" in limits_table  # spent, left

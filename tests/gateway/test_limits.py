@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 
 from gateway import limits
 from gateway.errors import ApiError
-from gateway.keys import KeyInfo
+from gateway.keys import KeyInfo, Scope, narrowest_models
 from tests.harness.live import close_db_thread
 from tests.harness.redis import RedisServer
 
@@ -26,18 +26,28 @@ def _db_thread_closed() -> Iterator[None]:
     close_db_thread()
 
 
-def key(**limits_: Any) -> KeyInfo:
+def key(*people: Scope, **limits_: Any) -> KeyInfo:
+    prefix = "llmgw-" + secrets.token_hex(4)
+    own = Scope(
+        f"key:{prefix}",
+        "this key",
+        limits_.get("rpm"),
+        limits_.get("tpm"),
+        limits_.get("budget"),
+        limits_.get("period", "month"),
+    )
     return KeyInfo(
         id=1,
         user_id=1,
-        prefix="llmgw-" + secrets.token_hex(4),
+        prefix=prefix,
         allowed_models=frozenset(),
-        rpm_limit=limits_.get("rpm"),
-        tpm_limit=limits_.get("tpm"),
-        token_budget=limits_.get("budget"),
-        budget_period=limits_.get("period", "month"),
+        rpm_limit=own.rpm_limit,
+        tpm_limit=own.tpm_limit,
+        token_budget=own.token_budget,
+        budget_period=own.budget_period,
         expires_at=None,
         revoked=False,
+        scopes=tuple(s for s in (own, *people) if s.limited),
     )
 
 
@@ -71,10 +81,13 @@ def test_budget_periods_are_calendar_windows(period: str, start: datetime, end: 
     assert limits.period_bounds(period, NOW) == (start.timestamp(), end.timestamp())
 
 
-def test_the_estimate_covers_the_prompt_and_every_choice(settings: Any) -> None:
+def test_the_reservation_covers_the_prompt_and_every_choice(settings: Any) -> None:
     settings.LLMGW_DEFAULT_MAX_TOKENS = 100
-    assert limits.estimate_tokens(400, None, 1) == 200
-    assert limits.estimate_tokens(400, 10, 3) == 130
+    assert limits.plan(400, None, 1, generates=True) == limits.Plan(200, 100)
+    assert limits.plan(400, 10, 3, generates=True) == limits.Plan(130, 10)
+    # With no max-token field, the context the model leaves after the prompt is reserved.
+    assert limits.plan(400, None, 2, generates=True, context_length=1100) == limits.Plan(2100, 1000)
+    assert limits.plan(400, None, 1, generates=False) == limits.Plan(100, None)
 
 
 def test_refusals_are_429_with_retry_after_until_the_window_ends() -> None:
@@ -173,3 +186,33 @@ async def test_limits_that_cannot_be_checked_are_not_waived(
         await limits.reserve(key(rpm=5), 1, NOW)
     assert unavailable.value.status == 503
     assert await limits.reserve(key(), 1, NOW) is limits.NO_RESERVATION  # no limits, no store
+
+
+def test_a_users_and_a_teams_limits_take_counters_shared_by_all_their_keys() -> None:
+    user = Scope("user:7", "your account", rpm_limit=5, token_budget=1000)
+    team = Scope("team:3", "team 'ml'", tpm_limit=50)
+    first, second = key(user, team, budget=100), key(user, team)
+    names = [c.name for c in limits.counters_for(first, 10, NOW)]
+    assert names[0].startswith(f"budget:key:{first.prefix}:")
+    shared = [c.name for c in limits.counters_for(second, 10, NOW)]
+    assert names[1:] == shared  # the user's and the team's: the same for both keys
+    assert [c.owner for c in limits.counters_for(second, 10, NOW)] == [
+        "your account",
+        "your account",
+        "team 'ml'",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("lists", "expected"),
+    [
+        ([[], [], []], (False, frozenset())),
+        ([["a", "b"], [], ["b", "c"]], (True, frozenset({"b"}))),
+        ([[], ["a"]], (True, frozenset({"a"}))),
+        ([["a"], ["b"]], (True, frozenset())),  # nothing left: no model at all
+    ],
+)
+def test_the_narrowest_model_list_wins(
+    lists: list[list[str]], expected: tuple[bool, frozenset[str]]
+) -> None:
+    assert narrowest_models(lists) == expected

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.factories import make_key, serve_model
+from tests.harness.factories import make_key, serve_model, usage_rows
 from tests.harness.live import http, routes, start_sim, start_web, stop_checked, wait_for_rows
 from tests.harness.redis import RedisServer
 from tests.harness.waits import wait_until
@@ -60,6 +60,72 @@ def test_two_web_processes_let_through_exactly_the_keys_rpm(
         assert all(1 <= int(h["Retry-After"]) <= 60 for h in refused)
         rows = wait_for_rows(api_key, 30)
         assert sorted(r.status for r in rows) == statuses
+    finally:
+        stop_checked(*webs)
+        sim.stop()
+
+
+@pytest.mark.parametrize("counters", ["store", "redis"])
+@pytest.mark.parametrize("holder", ["key", "user"])
+def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
+    tmp_path: Path, counters: str, holder: str, request: pytest.FixtureRequest
+) -> None:
+    """A key's budget, or a user's spread over three keys, that covers one request: a bounded
+    few are admitted across two web processes, and what is spent stays within the budget plus
+    one request's reservation."""
+    from django.contrib.auth import get_user_model
+    from django.db.models import F, Sum
+
+    from gateway.models import UsageRecord, UserLimits
+
+    extra = {}
+    if counters == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        extra["REDIS_URL"] = redis.url
+    body = json.dumps(
+        {"model": "lim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10}
+    ).encode()
+    reservation = len(body) // 4 + 10  # what gateway.limits.plan reserves for this body
+    budget = reservation + 5
+    if holder == "key":
+        keys = [make_key(budget=budget)]
+    else:
+        keys = [make_key("bob") for _ in range(3)]
+        UserLimits.objects.create(
+            user=get_user_model().objects.get(username="bob"), token_budget=budget
+        )
+    sim = start_sim(tmp_path, ["lim"])
+    webs = [start_web(tmp_path / "var", **extra), start_web(tmp_path / "var", **extra)]
+    try:
+        serve_model("lim", [sim.port])
+        for web in webs:
+            wait_until(partial(routes, web, keys[0][0], "lim"), what=f"{web.name} routes lim")
+        statuses: list[int] = []
+        lock = threading.Lock()
+        start = threading.Barrier(50)
+
+        def call(index: int) -> None:
+            key = keys[index % len(keys)][0]
+            start.wait(60)
+            status, _, _ = http(
+                "POST", webs[index % 2].url + "/v1/chat/completions", key=key, body=body
+            )
+            with lock:
+                statuses.append(status)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(50)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        admitted = statuses.count(200)
+        assert 1 <= admitted <= 2, statuses
+        assert statuses.count(429) == 50 - admitted
+        wait_until(lambda: sum(len(usage_rows(k)) for _, k in keys) == 50, what="50 usage rows")
+        spent = UsageRecord.objects.filter(api_key__in=[k for _, k in keys], status=200).aggregate(
+            t=Sum(F("prompt_tokens") + F("completion_tokens"))
+        )["t"]
+        assert 0 < spent <= budget + reservation
     finally:
         stop_checked(*webs)
         sim.stop()

@@ -150,7 +150,9 @@ def test_the_extra_usage_chunk_is_hidden_and_counted() -> None:
     stream = first + last + usage + b"data: [DONE]\n\n"
     # Fed in awkward pieces: events split across chunks still come out whole.
     out = b"".join(sse.feed(stream[i : i + 7]) for i in range(0, len(stream), 7))
-    assert out == first + last + b"data: [DONE]\n\n"
+    # [DONE] is held back for the relay to send last (after a usage chunk it may add).
+    assert out == first + last
+    assert sse.done and sse.terminal
     assert sse.tokens == payload.Tokens(5, 2) and sse.finish_reason == "stop"
     assert sse.rest() == b""
 
@@ -200,5 +202,80 @@ def test_events_ending_in_crlf_are_relayed_as_they_arrive() -> None:
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}\r\n\r\n'
     assert sse.feed(first[:10]) == b""
     assert sse.feed(first[10:]) == first
-    assert sse.feed(usage + b"data: [DONE]\r\n\r\n") == b"data: [DONE]\n\n"
-    assert sse.tokens == payload.Tokens(2, 1) and sse.events == 3
+    assert sse.feed(usage + b"data: [DONE]\r\n\r\n") == b""
+    assert sse.done and sse.tokens == payload.Tokens(2, 1) and sse.events == 2
+
+
+def test_a_stream_without_its_terminal_event_is_not_taken_for_a_whole_one() -> None:
+    sse = payload.SseFilter(hide_usage_chunk=True)
+    sse.feed(event({"choices": [{"delta": {"content": "a"}, "finish_reason": None}]}))
+    assert not sse.terminal
+    responses = payload.SseFilter(hide_usage_chunk=False)
+    responses.feed(b"event: response.completed\n" + event({"type": "response.completed"}))
+    assert responses.terminal and not responses.done
+
+
+def inspect_chat(body: dict[str, object]) -> payload.Inspected:
+    return payload.inspect(json.dumps(body).encode(), BY_KIND["chat"], max_items=100)
+
+
+@pytest.mark.parametrize(
+    ("fields", "reserved"),
+    [
+        ({"max_tokens": 100000, "max_completion_tokens": 0}, 100000),
+        ({"max_completion_tokens": 0, "max_tokens": 100000}, 100000),
+        ({"max_tokens": 5, "max_completion_tokens": 50}, 50),
+        ({"max_completion_tokens": 50, "max_tokens": 5}, 50),
+        ({"max_tokens": 0}, None),
+        ({"max_tokens": None, "max_completion_tokens": 7}, 7),
+        ({}, None),
+    ],
+)
+def test_the_largest_max_token_field_counts_and_zero_means_absent(
+    fields: dict[str, object], reserved: int | None
+) -> None:
+    assert inspect_chat({"model": "m", **fields}).max_tokens == reserved
+
+
+def test_a_batch_of_completions_prompts_multiplies_the_choices() -> None:
+    body = b'{"model":"m","prompt":["a","b","c"],"n":2}'
+    assert payload.inspect(body, BY_KIND["completions"], max_items=100).n == 6
+    tokens = b'{"model":"m","prompt":[1,2,3]}'
+    assert payload.inspect(tokens, BY_KIND["completions"], max_items=100).n == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "sent"),
+    [
+        ({}, {"max_tokens": 8}),
+        ({"max_tokens": 100000, "max_completion_tokens": 0}, {"max_tokens": 8,
+                                                              "max_completion_tokens": 8}),
+        ({"max_tokens": 3}, {"max_tokens": 3}),
+        ({"max_completion_tokens": 20}, {"max_completion_tokens": 8}),
+    ],
+)  # fmt: skip
+def test_the_forwarded_body_is_bound_to_the_reserved_cap(
+    fields: dict[str, object], sent: dict[str, int]
+) -> None:
+    capped = payload.with_output_cap(
+        inspect_chat({"model": "m", "stream": True, **fields}), BY_KIND["chat"], 8
+    )
+    forwarded = json.loads(capped.forward_body)
+    assert {k: forwarded[k] for k in payload.MAX_TOKEN_FIELDS if k in forwarded} == sent
+    assert forwarded["stream_options"] == {"include_usage": True}
+
+
+def test_the_responses_api_is_bound_by_its_own_field() -> None:
+    body = payload.inspect(b'{"model":"m","input":"x"}', BY_KIND["responses"], max_items=10)
+    capped = payload.with_output_cap(body, BY_KIND["responses"], 8)
+    assert json.loads(capped.forward_body)["max_output_tokens"] == 8
+
+
+def test_reported_counts_are_clamped_and_noted() -> None:
+    tokens = payload.tokens_of(
+        {"prompt_tokens": -5000, "completion_tokens": 10**23, "prompt_tokens_details": None}
+    )
+    assert tokens is not None
+    assert (tokens.prompt, tokens.completion) == (0, 2**31 - 1)
+    assert dict(tokens.clamped) == {"prompt_tokens": "-5000", "completion_tokens": str(10**23)}
+    assert payload.tokens_of({"prompt_tokens": 3, "completion_tokens": 1}) == payload.Tokens(3, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -62,6 +63,11 @@ def test_a_model_name_with_a_nul_byte_is_stored_and_holds_back_no_other_row() ->
     }
 
 
+def journal_name(pid: int) -> str:
+    """A journal's file name as a web process writing to the test store names it."""
+    return f"{usage.store_id()}.{pid}-aa.journal"
+
+
 def write_journal(path: Path, lines: list[bytes]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"".join(lines))
@@ -86,7 +92,7 @@ def test_a_dead_processs_journal_is_replayed_and_open_requests_closed(tmp_path: 
     started = record("open-1", upstream="replica:3", stream=True)
     finished_start = record("done-1")
     write_journal(
-        tmp_path / "111-aa.journal",
+        tmp_path / journal_name(111),
         [
             usage._line("s", finished_start),
             usage._line("s", started),
@@ -104,7 +110,7 @@ def test_a_dead_processs_journal_is_replayed_and_open_requests_closed(tmp_path: 
 
 
 def test_a_live_processs_journal_is_left_alone(tmp_path: Path) -> None:
-    path = tmp_path / "222-bb.journal"
+    path = tmp_path / journal_name(222)
     write_journal(path, [usage._line("s", record("busy"))])
     fd = os.open(path, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as its owner holds it while alive
@@ -143,3 +149,110 @@ async def test_the_recorder_writes_in_batches_and_rotates_its_journal(
     row = await sync_to_async(UsageRecord.objects.get)(request_id="still-running")
     assert row.finish_reason == "interrupted"
     assert not list(tmp_path.glob("*.journal"))
+
+
+# --------------------------------------------------------------------------- hostile numbers
+
+
+def test_counts_no_row_can_hold_are_clamped_and_every_row_is_stored() -> None:
+    """Failure 4: -5000 and 10**23 prompt tokens used to fail the whole batch, forever."""
+    rows = [
+        record("neg", prompt_tokens=-5000, completion_tokens=3),
+        record("huge", prompt_tokens=10**23, cached_tokens=10**30),
+        record("fine", prompt_tokens=7),
+    ]
+    assert usage.store_rows(rows) == 3
+    assert dict(UsageRecord.objects.values_list("request_id", "prompt_tokens")) == {
+        "neg": 0,
+        "huge": 2**31 - 1,
+        "fine": 7,
+    }
+    assert UsageRecord.objects.get(request_id="huge").cached_tokens == 2**31 - 1
+
+
+def test_a_row_the_store_refuses_is_dead_lettered_and_holds_back_no_other(
+    tmp_path: Path,
+) -> None:
+    from control.models import Event
+
+    refused = [
+        record("bad-status", status=-1),  # the store's CHECK refuses it
+        Usage("bad-time", None, None, "m", "chat", float("inf")),  # no datetime holds it
+    ]
+    rows = [record("ok-1"), *refused, record("ok-2")]
+    assert usage.store_rows(rows, tmp_path) == 4
+    assert set(UsageRecord.objects.values_list("request_id", flat=True)) == {"ok-1", "ok-2"}
+    dead = tmp_path / usage.DEAD_LETTER_DIR / f"{usage.store_id()}.jsonl"
+    lines = [json.loads(line) for line in dead.read_bytes().splitlines()]
+    assert [line["request_id"] for line in lines] == ["bad-status", "bad-time"]
+    assert all(line["error"] for line in lines)
+    event = Event.objects.get(subject__startswith="usage/")
+    assert "dead-letter" in event.message and event.data["request_ids"] == [
+        "bad-status",
+        "bad-time",
+    ]
+
+
+async def test_the_recorder_keeps_recording_after_a_row_the_store_refuses(
+    tmp_path: Path, settings: Any
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    settings.LLMGW_USAGE_JOURNAL_DIR = tmp_path
+    recorder = usage.Recorder()
+    recorder.finish(record("poison", status=-1))
+    recorder.finish(record("before", status=200))
+    assert await recorder.flush() == 2
+    recorder.finish(record("after", status=200))
+    assert await recorder.flush() == 1
+    stored = await sync_to_async(
+        lambda: set(UsageRecord.objects.values_list("request_id", flat=True))
+    )()
+    assert stored == {"before", "after"} and recorder.queue == []
+    await sync_to_async(recorder.close)()
+
+
+def test_replay_of_a_journal_with_impossible_numbers_finishes_and_stores_the_rest(
+    tmp_path: Path,
+) -> None:
+    """Failure 4: the replay at start-up died with OverflowError until files were deleted."""
+    write_journal(
+        tmp_path / journal_name(333),
+        [
+            usage._line("d", record("overflow", status=200, prompt_tokens=10**23)),
+            usage._line("d", record("refused", status=-1)),
+            usage._line("d", record("plain", status=200, completion_tokens=2)),
+        ],
+    )
+    assert usage.sweep(tmp_path) == 3
+    assert dict(UsageRecord.objects.values_list("request_id", "prompt_tokens")) == {
+        "overflow": 2**31 - 1,
+        "plain": 0,
+    }
+    assert not list(tmp_path.glob("*.journal"))
+    assert (tmp_path / usage.DEAD_LETTER_DIR / f"{usage.store_id()}.jsonl").exists()
+
+
+def test_a_journal_written_for_another_store_is_not_replayed_into_this_one(
+    tmp_path: Path,
+) -> None:
+    other = tmp_path / "0123456789ab.444-aa.journal"
+    write_journal(other, [usage._line("d", record("elsewhere", status=200))])
+    assert usage.sweep(tmp_path) == 0
+    assert other.exists() and not UsageRecord.objects.filter(request_id="elsewhere").exists()
+
+
+def test_replay_command_never_fails_start_up_when_the_store_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.core.management import call_command
+    from django.db import OperationalError
+
+    write_journal(tmp_path / journal_name(555), [usage._line("d", record("later"))])
+
+    def down(*args: Any, **kwargs: Any) -> int:
+        raise OperationalError("the store is down")
+
+    monkeypatch.setattr(usage, "store_rows", down)
+    call_command("replay_usage", dir=tmp_path)  # no exception: start-up goes on
+    assert (tmp_path / journal_name(555)).exists()  # kept for the next sweep

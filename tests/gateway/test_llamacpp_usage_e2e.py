@@ -1,0 +1,88 @@
+"""Counting with a real engine that reports no usage in streams: llama.cpp's server
+(llama-cpp-python, the ``llamacpp`` recipe) on the tiny GGUF model the agent tests write,
+behind a live web process, with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.agents.test_agent_e2e import write_tiny_llama
+from tests.harness.factories import make_key, serve_model
+from tests.harness.live import http, start_web, stop_checked, wait_for_rows
+from tests.harness.procs import PYTHON, Proc, free_port
+from tests.harness.waits import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def llamacpp(tmp_path: Path) -> Iterator[Proc]:
+    model = tmp_path / "tiny-llama.gguf"
+    write_tiny_llama(model)
+    port = free_port()
+    argv = [
+        PYTHON, "-m", "llama_cpp.server", "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model), "--model_alias", "tiny", "--n_ctx", "256",
+    ]  # fmt: skip
+    engine = Proc(f"llamacpp-{port}", argv, tmp_path, port=port).start()
+    try:
+        engine.wait_answering("/v1/models", timeout=120)
+        yield engine
+    finally:
+        engine.stop()
+
+
+def tokenize(engine: Proc, text: str) -> int:
+    """llama.cpp's own count (llama-cpp-python's endpoint), BOS included."""
+    status, _, raw = http(
+        "POST", engine.url + "/extras/tokenize/count", body=json.dumps({"input": text}).encode()
+    )
+    assert status == 200, raw
+    return int(json.loads(raw)["count"])
+
+
+def test_a_stream_from_llamacpp_gets_one_usage_chunk_counted_by_its_tokenizer(
+    tmp_path: Path, llamacpp: Proc
+) -> None:
+    web = start_web(tmp_path / "var")
+    try:
+        key, api_key = make_key()
+        serve_model("tiny", [llamacpp.port])
+        api = openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=120)
+        wait_until(lambda: "tiny" in [m.id for m in api.models.list().data])
+        chunks = list(
+            api.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "hello there"}],
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        with_usage = [c for c in chunks if c.usage is not None]
+        assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        # The prompt as a tokenizer without a chat template takes it: the messages' text. A
+        # completion carries no BOS: the endpoint's count of "" (BOS alone) is taken off.
+        prompt = tokenize(llamacpp, "hello there")
+        completion = tokenize(llamacpp, text) - tokenize(llamacpp, "")
+        usage = with_usage[0].usage
+        assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
+            prompt,
+            completion,
+        )
+        assert completion > 0
+        (row,) = wait_for_rows(api_key, 1)
+        assert (row.prompt_tokens, row.completion_tokens, row.usage_source) == (
+            prompt,
+            completion,
+            "tokenized",
+        )
+    finally:
+        stop_checked(web)
