@@ -3,10 +3,12 @@ from django.urls import include, path
 
 from control.views import healthz
 from gateway.api import api as gateway_api
+from llmgw_site.admin_api.api import api as admin_api
 from llmgw_site.views import dashboard_data, metrics_view
 
 urlpatterns = [
     path("v1/", gateway_api.urls),
+    path("api/admin/v1/", admin_api.urls),
     path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
     # Before admin.site.urls, whose catch-all would take it; staff-only, checked in the view.
