@@ -398,10 +398,10 @@ AXES_COOLOFF_TIME = timedelta(
 )
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
 AXES_RESET_ON_SUCCESS = True
-AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+AXES_LOCKOUT_CALLABLE = "llmgw_site.signin.lockout_response"
 # Behind a proxy the client's address is in its header; axes reads REMOTE_ADDR otherwise.
 LLMGW_CLIENT_IP_HEADER: str = env_str(ENV, "LLMGW_CLIENT_IP_HEADER", "")
-AXES_CLIENT_IP_CALLABLE = "llmgw_site.client_ip.client_ip"
+AXES_CLIENT_IP_CALLABLE = "llmgw_site.signin.client_ip"
 
 LOGGING = {
     "version": 1,
