@@ -91,6 +91,9 @@ SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
 SECURE_HSTS_SECONDS: int = _read(env_int, "LLMGW_HSTS_SECONDS", 31_536_000) if LLMGW_HTTPS else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = _read(env_bool, "LLMGW_HSTS_INCLUDE_SUBDOMAINS", True)
 SECURE_HSTS_PRELOAD = _read(env_bool, "LLMGW_HSTS_PRELOAD", False)
+# Preloading binds the whole domain and its subdomains to https in every browser, and takes
+# months to undo: the domain's owner decides (LLMGW_HSTS_PRELOAD), so its absence is no warning.
+SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 SESSION_COOKIE_AGE: int = _read(env_int, "LLMGW_SESSION_SECONDS", 12 * 3600, minimum=60)
@@ -365,8 +368,6 @@ CELERY_BEAT_SCHEDULE = {
     },
 }
 
-if _errors:
-    raise ImproperlyConfigured("llmgw cannot start:\n  " + "\n  ".join(_errors))
 
 # --- the rest of Django ----------------------------------------------------------------------
 
@@ -427,3 +428,7 @@ LOGGING = {
         "axes": {"level": "WARNING"},
     },
 }
+
+# Last, so that every malformed variable above is reported at once.
+if _errors:
+    raise ImproperlyConfigured("llmgw cannot start:\n  " + "\n  ".join(_errors))
