@@ -147,6 +147,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "llmgw_site.sso.context",
             ],
         },
     },
@@ -393,6 +394,10 @@ AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",  # first: refuses a locked-out sign-in outright
     "django.contrib.auth.backends.ModelBackend",
 ]
+# Local passwords; off leaves only single sign-on (below).
+LLMGW_PASSWORD_LOGIN: bool = _read(env_bool, "LLMGW_PASSWORD_LOGIN", True)
+if not LLMGW_PASSWORD_LOGIN:
+    AUTHENTICATION_BACKENDS.remove("django.contrib.auth.backends.ModelBackend")
 AXES_FAILURE_LIMIT: int = _read(env_int, "LLMGW_LOGIN_FAILURE_LIMIT", 10, minimum=1)
 AXES_COOLOFF_TIME = timedelta(
     minutes=_read(env_float, "LLMGW_LOGIN_LOCKOUT_MINUTES", 60.0, minimum=0.01)
@@ -401,6 +406,32 @@ AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "llmgw_site.signin.lockout_response"
 # Behind a proxy the client's address is in its header; axes reads REMOTE_ADDR otherwise.
+
+# --- single sign-on (OpenID Connect, llmgw_site.sso); off unless LLMGW_OIDC_ISSUER is set ------
+LLMGW_OIDC_ISSUER: str = env_str(ENV, "LLMGW_OIDC_ISSUER", "").rstrip("/")
+LLMGW_OIDC_GROUPS_CLAIM: str = env_str(ENV, "LLMGW_OIDC_GROUPS_CLAIM", "groups")
+LLMGW_OIDC_STAFF_GROUPS: list[str] = _read(env_list, "LLMGW_OIDC_STAFF_GROUPS", [])
+LLMGW_OIDC_SUPERUSER_GROUPS: list[str] = _read(env_list, "LLMGW_OIDC_SUPERUSER_GROUPS", [])
+LLMGW_OIDC_CREATE_TEAMS: bool = _read(env_bool, "LLMGW_OIDC_CREATE_TEAMS", False)
+OIDC_RP_CLIENT_ID = env_str(ENV, "LLMGW_OIDC_CLIENT_ID", "")
+OIDC_RP_CLIENT_SECRET = env_str(ENV, "LLMGW_OIDC_CLIENT_SECRET", "")
+OIDC_RP_SIGN_ALGO = env_str(ENV, "LLMGW_OIDC_SIGN_ALGO", "RS256")
+OIDC_RP_SCOPES = env_str(ENV, "LLMGW_OIDC_SCOPES", "openid email profile")
+OIDC_USE_PKCE = True
+OIDC_TIMEOUT: float = _read(env_float, "LLMGW_OIDC_TIMEOUT", 10.0, minimum=0.5)
+OIDC_AUTHENTICATE_CLASS = "llmgw_site.sso.Authenticate"
+OIDC_CALLBACK_CLASS = "llmgw_site.sso.Callback"
+LOGIN_REDIRECT_URL = "/signed-in/"
+LOGIN_REDIRECT_URL_FAILURE = "/account/login/?sso=failed"
+if LLMGW_OIDC_ISSUER:
+    if not LLMGW_OIDC_ISSUER.startswith(("https://", "http://")):
+        _errors.append(f"LLMGW_OIDC_ISSUER={LLMGW_OIDC_ISSUER!r} is not an http(s) URL")
+    if not OIDC_RP_CLIENT_ID or not OIDC_RP_CLIENT_SECRET:
+        _errors.append("LLMGW_OIDC_ISSUER needs LLMGW_OIDC_CLIENT_ID and LLMGW_OIDC_CLIENT_SECRET")
+    AUTHENTICATION_BACKENDS.append("llmgw_site.sso.Backend")
+elif not LLMGW_PASSWORD_LOGIN:
+    _errors.append("LLMGW_PASSWORD_LOGIN=false leaves no way to sign in without LLMGW_OIDC_ISSUER")
+
 LLMGW_CLIENT_IP_HEADER: str = env_str(ENV, "LLMGW_CLIENT_IP_HEADER", "")
 AXES_CLIENT_IP_CALLABLE = "llmgw_site.signin.client_ip"
 

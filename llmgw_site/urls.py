@@ -3,6 +3,7 @@ from django.urls import include, path
 
 from control.views import healthz
 from gateway.api import api as gateway_api
+from llmgw_site import sso
 from llmgw_site.admin_api.api import api as admin_api
 from llmgw_site.views import dashboard_data, metrics_view
 
@@ -15,4 +16,8 @@ urlpatterns = [
     path("admin/dashboard.json", dashboard_data, name="admin-dashboard-data"),
     path("admin/", admin.site.urls),
     path("account/", include("gateway.account")),
+    # Single sign-on (OpenID Connect): 404 unless configured.
+    path("oidc/authenticate/", sso.Authenticate.as_view(), name="oidc_authentication_init"),
+    path("oidc/callback/", sso.Callback.as_view(), name="oidc_authentication_callback"),
+    path("signed-in/", sso.signed_in, name="signed-in"),
 ]
