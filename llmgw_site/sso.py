@@ -208,7 +208,7 @@ class Backend(OIDCAuthenticationBackend):  # type: ignore[misc]
         if jwt.get_unverified_header(token).get("alg") != algorithm:
             raise SuspiciousOperation(f"the ID token is not signed with {algorithm}")
         try:
-            return jwt.decode(  # type: ignore[no-any-return]
+            return jwt.decode(
                 token,
                 key,
                 algorithms=[algorithm],

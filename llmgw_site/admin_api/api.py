@@ -230,8 +230,8 @@ class ModelPatch(Strict):
 
 class ModelIn(ModelPatch):
     name: str = Field(min_length=1, max_length=200)
-    source: str | None = Field(min_length=1, max_length=500)  # type: ignore[assignment]
-    default_profile: str  # type: ignore[assignment]
+    source: str = Field(min_length=1, max_length=500)
+    default_profile: str
 
 
 class ScaleIn(Strict):

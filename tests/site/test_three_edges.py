@@ -177,7 +177,7 @@ def scale_form(world: World) -> None:
     assert response.status_code == 302, response.content.decode()[:2000]
 
 
-Edge = Callable[[World], None]
+Edge = Callable[[World], object]
 
 CHANGES: dict[str, tuple[Edge, Edge, Edge]] = {
     "cordon": (
