@@ -28,9 +28,10 @@ $(TEST_STAMP): $(RUN_STAMP) requirements-dev.txt
 
 venv: $(TEST_STAMP)
 
+# Plain http on loopback: cookies without the Secure flag unless LLMGW_HTTPS says otherwise.
 run: $(RUN_STAMP)
 	@mkdir -p var; test -s var/secret_key || $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > var/secret_key
-	SECRET_KEY=$$(cat var/secret_key) $(PY) manage.py run
+	SECRET_KEY=$$(cat var/secret_key) LLMGW_HTTPS=$${LLMGW_HTTPS:-false} $(PY) manage.py run
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .

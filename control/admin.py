@@ -152,6 +152,49 @@ class ServedModelAdmin(admin.ModelAdmin[ServedModel]):
             )
         )
 
+    actions = ["pin", "unpin"]
+
+    def save_model(self, request: HttpRequest, obj: ServedModel, form: Any, change: bool) -> None:
+        # Scaling and pinning are operator decisions with an audit trail: they go through the
+        # same functions as the commands and the admin API, before the rest of the form.
+        if change and {"min_replicas", "max_replicas"} & set(form.changed_data):
+            operations.scale_model(
+                obj.pk,
+                min_replicas=obj.min_replicas,
+                max_replicas=obj.max_replicas,
+                actor=actor(request),
+            )
+        if change and "pinned" in form.changed_data:
+            operations.pin_model(obj.pk, pinned=obj.pinned, actor=actor(request))
+        super().save_model(request, obj, form, change)
+
+    def delete_model(self, request: HttpRequest, obj: ServedModel) -> None:
+        operations.delete_model(obj.pk, actor=actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ServedModel]) -> None:
+        for pk in list(queryset.values_list("pk", flat=True)):
+            operations.delete_model(pk, actor=actor(request))
+
+    @admin.action(description="Pin: never evict to make room", permissions=["change"])
+    def pin(self, request: HttpRequest, queryset: QuerySet[ServedModel]) -> None:
+        done = [
+            m.name
+            for m in queryset
+            if operations.pin_model(m.pk, pinned=True, actor=actor(request))
+        ]
+        self.message_user(request, f"Pinned: {', '.join(done) or 'nothing new'}.", messages.SUCCESS)
+
+    @admin.action(description="Unpin", permissions=["change"])
+    def unpin(self, request: HttpRequest, queryset: QuerySet[ServedModel]) -> None:
+        done = [
+            m.name
+            for m in queryset
+            if operations.pin_model(m.pk, pinned=False, actor=actor(request))
+        ]
+        self.message_user(
+            request, f"Unpinned: {', '.join(done) or 'nothing new'}.", messages.SUCCESS
+        )
+
     @admin.display(description="ready / desired")
     def replicas_ready(self, obj: ServedModel) -> str:
         return f"{getattr(obj, 'n_ready', 0)} / {getattr(obj, 'n_desired', 0)}"

@@ -1,4 +1,5 @@
-"""What operators do to the fleet: cordon, drain and undrain a node, restart a replica.
+"""What operators do to the fleet: cordon, drain and undrain a node, restart a replica; scale,
+pin and delete a catalog model.
 
 One function per state change, each one transaction with a conditional update (the row count
 says whether anything changed, so a second click or a racing operator changes nothing twice),
@@ -20,13 +21,22 @@ from django.db import transaction
 from django.db.models import F
 
 from control import nudges
-from control.models import Event, Node, Replica, Shard
+from control.models import Event, Node, Replica, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
 
 
 class NotFound(Exception):
-    """The node or replica named does not exist."""
+    """The node, replica or model named does not exist."""
+
+
+class Invalid(ValueError):
+    """The change asked for is not allowed; ``field`` names the value at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
 
 
 def _node_name(node_id: int) -> str:
@@ -108,3 +118,85 @@ def restart_replica(replica_id: int, *, actor: str) -> bool:
                 nudges.nudge_node(node_id)
             logger.info("replica %s: restarted by %s", replica_id, actor)
     return bool(changed)
+
+
+def _model_name(model_id: int) -> str:
+    name = ServedModel.objects.filter(pk=model_id).values_list("name", flat=True).first()
+    if name is None:
+        raise NotFound(f"model {model_id} does not exist")
+    return name
+
+
+def scale_model(model_id: int, *, min_replicas: int, max_replicas: int, actor: str) -> bool:
+    """Set how many replicas a model may have. The reconciler acts on its next tick: it places
+    up to the minimum and scales idle replicas down to it. False: already so."""
+    if min_replicas < 0:
+        raise Invalid("min_replicas", "must not be negative")
+    if max_replicas < 1:
+        raise Invalid("max_replicas", "must be at least 1")
+    if min_replicas > max_replicas:
+        raise Invalid("min_replicas", f"{min_replicas} is above max_replicas ({max_replicas})")
+    with transaction.atomic():
+        name = _model_name(model_id)
+        previous = ServedModel.objects.filter(pk=model_id).values_list(
+            "min_replicas", "max_replicas"
+        )[0]
+        changed = (
+            ServedModel.objects.filter(pk=model_id)
+            .exclude(min_replicas=min_replicas, max_replicas=max_replicas)
+            .update(min_replicas=min_replicas, max_replicas=max_replicas)
+        )
+        if changed:
+            Event.objects.create(
+                kind=Event.Kind.OPERATOR,
+                subject=f"model/{name}",
+                message=f"scaled to {min_replicas}..{max_replicas} replicas by {actor} "
+                f"(was {previous[0]}..{previous[1]})",
+                data={"actor": actor, "min_replicas": min_replicas, "max_replicas": max_replicas},
+            )
+            logger.info("model %s: scaled %s..%s by %s", name, min_replicas, max_replicas, actor)
+    return bool(changed)
+
+
+def pin_model(model_id: int, *, pinned: bool, actor: str) -> bool:
+    """Pin (never evicted to make room for another model) or unpin. False: already so."""
+    with transaction.atomic():
+        name = _model_name(model_id)
+        changed = (
+            ServedModel.objects.filter(pk=model_id).exclude(pinned=pinned).update(pinned=pinned)
+        )
+        if changed:
+            verb = "pinned" if pinned else "unpinned"
+            Event.objects.create(
+                kind=Event.Kind.OPERATOR,
+                subject=f"model/{name}",
+                message=f"{verb} by {actor}",
+                data={"actor": actor, "pinned": pinned},
+            )
+            logger.info("model %s: %s by %s", name, verb, actor)
+    return bool(changed)
+
+
+def delete_model(model_id: int, *, actor: str) -> bool:
+    """Remove a model from the catalog, with its replicas; the nodes that ran them are told to
+    stop them. False: it was already gone."""
+    with transaction.atomic():
+        name = ServedModel.objects.filter(pk=model_id).values_list("name", flat=True).first()
+        if name is None:
+            return False
+        nodes = sorted(
+            set(Shard.objects.filter(replica__model_id=model_id).values_list("node_id", flat=True))
+        )
+        deleted, _ = ServedModel.objects.filter(pk=model_id).delete()
+        if deleted:
+            Event.objects.create(
+                kind=Event.Kind.OPERATOR,
+                subject=f"model/{name}",
+                message=f"deleted by {actor}",
+                data={"actor": actor, "deleted": True},
+            )
+            # The shards are gone from these nodes' desired state: the agents stop them.
+            for node_id in nodes:
+                nudges.nudge_node(node_id)
+            logger.info("model %s: deleted by %s", name, actor)
+    return bool(deleted)

@@ -33,7 +33,12 @@ _M = TypeVar("_M", bound=models.Model)
 
 
 class CatalogError(Exception):
-    """The file cannot be imported; the message says where and why."""
+    """The file cannot be imported; the message says where and why, ``field`` is the path of
+    the value at fault (``models[0].min_replicas``; empty for the document as a whole)."""
+
+    def __init__(self, message: str, *, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 # --------------------------------------------------------------------------- export
@@ -83,11 +88,18 @@ def export_yaml() -> str:
 # --------------------------------------------------------------------------- import
 
 
+Change = dict[str, Any]  # {"from": old, "to": new}
+
+
 @dataclass
 class ImportResult:
+    """What an import did (or, dry, would do): entries by label, and for each created or
+    updated entry the fields it sets, each with its value before and after."""
+
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    changes: dict[str, dict[str, Change]] = field(default_factory=dict)
 
     def summary(self) -> str:
         return (
@@ -95,60 +107,103 @@ class ImportResult:
             f"{len(self.unchanged)} unchanged"
         )
 
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "created": self.created,
+            "updated": self.updated,
+            "unchanged": self.unchanged,
+            "changes": self.changes,
+        }
+
 
 def _entries(data: Mapping[str, Any], section: str) -> list[Mapping[str, Any]]:
     entries = data.get(section) or []
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise CatalogError(f"{section}: must be a list of mappings")
+        raise CatalogError(f"{section}: must be a list of mappings", field=section)
     return entries
 
 
+def _plain(value: Any) -> Any:
+    """A value as the document spells it (a JSON/YAML scalar, list or mapping)."""
+    return value.isoformat() if hasattr(value, "isoformat") else value
+
+
 def _assign(
-    row: _M, entry: Mapping[str, Any], columns: list[models.Field[Any, Any]], where: str
-) -> bool:
-    """Copy the entry's fields onto ``row``; True if any differed. Unknown keys are errors."""
+    row: _M,
+    entry: Mapping[str, Any],
+    columns: list[models.Field[Any, Any]],
+    where: str,
+    path: str,
+) -> dict[str, Change]:
+    """Copy the entry's fields onto ``row``; the fields that differed, with both values.
+    Unknown keys are errors."""
     known = {f.name: f for f in columns}
-    changed = False
+    changes: dict[str, Change] = {}
     for key, value in entry.items():
         column = known.get(key)
         if column is None:
-            raise CatalogError(f"{where}: unknown field {key!r} (known: {', '.join(known)})")
+            raise CatalogError(
+                f"{where}: unknown field {key!r} (known: {', '.join(known)})", field=f"{path}.{key}"
+            )
         try:
             cleaned = column.to_python(value)
         except ValidationError as exc:
-            raise CatalogError(f"{where}.{key}: {'; '.join(exc.messages)}") from None
-        if column.value_from_object(row) != cleaned:
-            setattr(row, column.attname, cleaned)
-            changed = True
-    return changed
+            raise CatalogError(
+                f"{where}.{key}: {'; '.join(exc.messages)}", field=f"{path}.{key}"
+            ) from None
+        before = column.value_from_object(row)
+        if before != cleaned or row.pk is None:
+            if before != cleaned:
+                setattr(row, column.attname, cleaned)
+            changes[key] = {
+                "from": None if row.pk is None else _plain(before),
+                "to": _plain(cleaned),
+            }
+    return changes
 
 
-def _validate(row: models.Model, where: str, *, exclude: Iterable[str] = ()) -> None:
+def _validate(row: models.Model, where: str, path: str, *, exclude: Iterable[str] = ()) -> None:
     try:
         row.full_clean(exclude=list(exclude), validate_unique=False)
     except ValidationError as exc:
         details = "; ".join(
             f"{name}: {' '.join(messages)}" for name, messages in exc.message_dict.items()
         )
-        raise CatalogError(f"{where}: {details}") from None
+        # A constraint spanning fields (min within max) is reported on the first it names.
+        first = next(iter(exc.message_dict), "")
+        if first == "__all__":
+            first = _constraint_field(exc.messages[0])
+        raise CatalogError(
+            f"{where}: {details}", field=f"{path}.{first}" if first else path
+        ) from None
 
 
-def _name(entry: Mapping[str, Any], key: str, where: str) -> str:
+def _constraint_field(message: str) -> str:
+    return "min_replicas" if "min_replicas" in message else ""
+
+
+def _name(entry: Mapping[str, Any], key: str, where: str, path: str) -> str:
     value = entry.get(key)
     if not isinstance(value, str) or not value:
-        raise CatalogError(f"{where}: needs a {key!r}")
+        raise CatalogError(f"{where}: needs a {key!r}", field=f"{path}.{key}")
     return value
 
 
 def import_data(data: object, *, dry_run: bool = False) -> ImportResult:
-    """Create or update every entry in ``data`` (the shape :func:`export` writes)."""
+    """Create or update every entry in ``data`` (the shape :func:`export` writes), all or
+    nothing. ``dry_run`` does the same work and rolls it back: the result is exactly what an
+    import would do now."""
     if not isinstance(data, dict):
         raise CatalogError("the catalog must be a mapping with profiles, models, endpoints")
     unknown = set(data) - {"version", "profiles", "models", "endpoints"}
     if unknown:
-        raise CatalogError(f"unknown top-level keys: {', '.join(sorted(unknown))}")
+        raise CatalogError(
+            f"unknown top-level keys: {', '.join(sorted(unknown))}", field=sorted(unknown)[0]
+        )
     if data.get("version", FORMAT_VERSION) != FORMAT_VERSION:
-        raise CatalogError(f"version {data.get('version')!r} is not {FORMAT_VERSION}")
+        raise CatalogError(
+            f"version {data.get('version')!r} is not {FORMAT_VERSION}", field="version"
+        )
     result = ImportResult()
     with transaction.atomic():
         _import_profiles(_entries(data, "profiles"), result)
@@ -167,13 +222,15 @@ def import_yaml(text: str, *, dry_run: bool = False) -> ImportResult:
     return import_data(data, dry_run=dry_run)
 
 
-def _save(row: models.Model, changed: bool, label: str, result: ImportResult) -> None:
+def _save(row: models.Model, changes: dict[str, Change], label: str, result: ImportResult) -> None:
     if row.pk is None:
         row.save()
         result.created.append(label)
-    elif changed:
+        result.changes[label] = changes
+    elif changes:
         row.save()
         result.updated.append(label)
+        result.changes[label] = changes
     else:
         result.unchanged.append(label)
 
@@ -181,62 +238,76 @@ def _save(row: models.Model, changed: bool, label: str, result: ImportResult) ->
 def _import_profiles(entries: list[Mapping[str, Any]], result: ImportResult) -> None:
     columns = _columns(Profile)
     for i, entry in enumerate(entries):
-        where = f"profiles[{i}]"
-        name = _name(entry, "name", where)
+        path = f"profiles[{i}]"
+        name = _name(entry, "name", path, path)
+        where = f"profile {name}"
         row = Profile.objects.filter(name=name).first() or Profile(name=name)
-        changed = _assign(row, entry, columns, f"profile {name}")
-        _validate(row, f"profile {name}")
+        changes = _assign(row, entry, columns, where, path)
+        _validate(row, where, path)
         problems = wire_problems(
             args=row.args, env=row.env, health_path=row.health_path, gpu_selector=row.gpu_selector
         )
         if problems:
             details = "; ".join(f"{k}: {v}" for k, v in problems.items())
-            raise CatalogError(f"profile {name}: {details}")
-        _save(row, changed, f"profile {name}", result)
+            raise CatalogError(f"{where}: {details}", field=f"{path}.{next(iter(problems))}")
+        _save(row, changes, where, result)
 
 
-def _profile(name: object, where: str) -> Profile:
+def _profile(name: object, where: str, path: str) -> Profile:
     profile = Profile.objects.filter(name=str(name)).first()
     if profile is None:
-        raise CatalogError(f"{where}: no profile named {name!r} (in the file or the catalog)")
+        raise CatalogError(
+            f"{where}: no profile named {name!r} (in the file or the catalog)", field=path
+        )
     return profile
 
 
 def _import_models(entries: list[Mapping[str, Any]], result: ImportResult) -> None:
     columns = _columns(ServedModel)
     for i, entry in enumerate(entries):
-        where = f"models[{i}]"
-        name = _name(entry, "name", where)
+        path = f"models[{i}]"
+        name = _name(entry, "name", path, path)
+        where = f"model {name}"
         fields = dict(entry)
-        default = _profile(_name(fields, "default_profile", f"model {name}"), f"model {name}")
+        default_name = _name(fields, "default_profile", where, path)
+        default = _profile(default_name, where, f"{path}.default_profile")
         fields.pop("default_profile")
         profile_names = fields.pop("profiles", None) or [default.name]
         if not isinstance(profile_names, list):
-            raise CatalogError(f"model {name}: profiles must be a list of profile names")
-        profiles = {_profile(p, f"model {name}") for p in profile_names} | {default}
+            raise CatalogError(
+                f"{where}: profiles must be a list of profile names", field=f"{path}.profiles"
+            )
+        profiles = {
+            _profile(p, where, f"{path}.profiles[{j}]") for j, p in enumerate(profile_names)
+        } | {default}
         row = ServedModel.objects.filter(name=name).first() or ServedModel(name=name)
-        changed = _assign(row, fields, columns, f"model {name}")
+        changes = _assign(row, fields, columns, where, path)
         if row.pk is None or row.default_profile_id != default.pk:
+            before = None if row.pk is None else row.default_profile.name
             row.default_profile = default
-            changed = True
-        _validate(row, f"model {name}")
-        _save(row, changed, f"model {name}", result)
-        if set(row.profiles.all()) != profiles:
+            changes["default_profile"] = {"from": before, "to": default.name}
+        _validate(row, where, path)
+        before_profiles = sorted(p.name for p in row.profiles.all()) if row.pk else None
+        after_profiles = sorted(p.name for p in profiles)
+        if before_profiles != after_profiles:
+            changes["profiles"] = {"from": before_profiles, "to": after_profiles}
+        _save(row, changes, where, result)
+        if before_profiles != after_profiles:
             row.profiles.set(profiles)
-            if f"model {name}" in result.unchanged:
-                result.unchanged.remove(f"model {name}")
-                result.updated.append(f"model {name}")
 
 
 def _import_endpoints(entries: list[Mapping[str, Any]], result: ImportResult) -> None:
     columns = _columns(Endpoint, skip=["slug"])
     for i, entry in enumerate(entries):
-        where = f"endpoints[{i}]"
-        slug = _name(entry, "id", where)
+        path = f"endpoints[{i}]"
+        slug = _name(entry, "id", path, path)
+        where = f"endpoint {slug}"
         fields = {k: v for k, v in entry.items() if k != "id"}
         if "models" in fields:
             fields["model_names"] = fields.pop("models")
         row = Endpoint.objects.filter(slug=slug).first() or Endpoint(slug=slug)
-        changed = _assign(row, fields, columns, f"endpoint {slug}")
-        _validate(row, f"endpoint {slug}")
-        _save(row, changed, f"endpoint {slug}", result)
+        changes = _assign(row, fields, columns, where, path)
+        if "model_names" in changes:
+            changes["models"] = changes.pop("model_names")
+        _validate(row, where, path)
+        _save(row, changes, where, result)

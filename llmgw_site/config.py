@@ -35,6 +35,14 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
 
 
+def env_list(env: Mapping[str, str], name: str, default: list[str]) -> list[str]:
+    """A comma-separated list; blanks around items are dropped."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return list(default)
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
 def env_float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
     raw = env.get(name)
     if raw is None or raw == "":

@@ -8,6 +8,7 @@ local filesystem broker, so ``make run`` needs nothing but Python. Production se
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from llmgw_site.config import (
     env_bool,
     env_float,
     env_int,
+    env_list,
     env_port_range,
     env_str,
     parse_static_endpoints,
@@ -56,8 +58,49 @@ if not SECRET_KEY:
     else:
         _errors.append("SECRET_KEY is required when LLMGW_DEBUG is off")
 
-ALLOWED_HOSTS = [h for h in env_str(ENV, "LLMGW_ALLOWED_HOSTS", "*").split(",") if h]
-CSRF_TRUSTED_ORIGINS = [o for o in env_str(ENV, "LLMGW_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+# --- who may reach this site, and how (secure by default when DEBUG is off) -------------------
+# Host names this deployment answers to. Unset with DEBUG off: loopback only, so a production
+# deployment must name its hosts (a wildcard would let any Host header through, and with it
+# poisoned password-reset and redirect links).
+ALLOWED_HOSTS = _read(
+    env_list, "LLMGW_ALLOWED_HOSTS", ["*"] if DEBUG else ["127.0.0.1", "localhost", "[::1]"]
+)
+CSRF_TRUSTED_ORIGINS = _read(env_list, "LLMGW_CSRF_TRUSTED_ORIGINS", [])
+for _origin in CSRF_TRUSTED_ORIGINS:
+    if not _origin.startswith(("http://", "https://")):
+        _errors.append(
+            f"LLMGW_CSRF_TRUSTED_ORIGINS: {_origin!r} needs its scheme, e.g. https://{_origin}"
+        )
+# Behind a TLS-terminating proxy: the header it sets to say the client used https, e.g.
+# "X-Forwarded-Proto" (then "https" means secure). Trust it only when the proxy always sets or
+# strips it: a client could otherwise claim https itself.
+_proxy_header = env_str(ENV, "LLMGW_PROXY_TLS_HEADER", "")
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_" + _proxy_header.upper().replace("-", "_"), "https") if _proxy_header else None
+)
+# Served over https (directly or behind that proxy): cookies only over TLS, plain http
+# redirected, and HSTS. On by default when DEBUG is off; `make run` (loopback, plain http)
+# turns it off with LLMGW_HTTPS=false.
+LLMGW_HTTPS: bool = _read(env_bool, "LLMGW_HTTPS", not DEBUG)
+SESSION_COOKIE_SECURE = LLMGW_HTTPS
+CSRF_COOKIE_SECURE = LLMGW_HTTPS
+# Redirecting plain http to https is usually the proxy's job, and internal callers (health
+# checks, metrics scrapers, agents on a private network) may speak plain http: on request.
+SECURE_SSL_REDIRECT: bool = _read(env_bool, "LLMGW_SSL_REDIRECT", False)
+# Health checks and metrics come from inside the network, over plain http.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
+SECURE_HSTS_SECONDS: int = _read(env_int, "LLMGW_HSTS_SECONDS", 31_536_000) if LLMGW_HTTPS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _read(env_bool, "LLMGW_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = _read(env_bool, "LLMGW_HSTS_PRELOAD", False)
+# Preloading binds the whole domain and its subdomains to https in every browser, and takes
+# months to undo: the domain's owner decides (LLMGW_HSTS_PRELOAD), so its absence is no warning.
+SILENCED_SYSTEM_CHECKS = [] if SECURE_HSTS_PRELOAD else ["security.W021"]
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+SESSION_COOKIE_AGE: int = _read(env_int, "LLMGW_SESSION_SECONDS", 12 * 3600, minimum=60)
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
 
 INSTALLED_APPS = [
     "daphne",  # first, so `runserver` is Daphne's ASGI server
@@ -69,9 +112,11 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "django_prometheus",
+    "axes",  # failed sign-ins per account and per address, and the lockouts (admin: "Axes")
     "control",
     "gateway",
     "llmgw_site",  # the commands that span both apps: run, import_catalog, export_catalog
+    "llmgw_site.admin_api",  # /api/admin/v1/ and its admin tokens
 ]
 
 MIDDLEWARE = [
@@ -85,6 +130,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last before the metrics: answers a locked-out sign-in with 429 (django-axes).
+    "axes.middleware.AxesMiddleware",
     "django_prometheus.middleware.PrometheusAfterMiddleware",
 ]
 
@@ -101,6 +148,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "llmgw_site.sso.context",
             ],
         },
     },
@@ -344,8 +392,6 @@ CELERY_BEAT_SCHEDULE = {
     },
 }
 
-if _errors:
-    raise ImproperlyConfigured("llmgw cannot start:\n  " + "\n  ".join(_errors))
 
 # --- the rest of Django ----------------------------------------------------------------------
 
@@ -361,6 +407,56 @@ STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "static"
 LOGIN_URL = "/admin/login/"
+
+# --- sign-in protection (django-axes) ------------------------------------------------------------
+# Failed sign-ins are counted per account and per address (either reaching the limit locks),
+# at /admin/login/, /account/login/ and on the admin API's tokens; a lockout ends after the
+# cool-off or when an administrator lifts it (admin: Axes > Access attempts, or
+# `manage.py axes_reset_username NAME` / `axes_reset_ip ADDRESS`).
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",  # first: refuses a locked-out sign-in outright
+    "django.contrib.auth.backends.ModelBackend",
+]
+# Local passwords; off leaves only single sign-on (below).
+LLMGW_PASSWORD_LOGIN: bool = _read(env_bool, "LLMGW_PASSWORD_LOGIN", True)
+if not LLMGW_PASSWORD_LOGIN:
+    AUTHENTICATION_BACKENDS.remove("django.contrib.auth.backends.ModelBackend")
+AXES_FAILURE_LIMIT: int = _read(env_int, "LLMGW_LOGIN_FAILURE_LIMIT", 10, minimum=1)
+AXES_COOLOFF_TIME = timedelta(
+    minutes=_read(env_float, "LLMGW_LOGIN_LOCKOUT_MINUTES", 60.0, minimum=0.01)
+)
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "llmgw_site.signin.lockout_response"
+# Behind a proxy the client's address is in its header; axes reads REMOTE_ADDR otherwise.
+
+# --- single sign-on (OpenID Connect, llmgw_site.sso); off unless LLMGW_OIDC_ISSUER is set ------
+LLMGW_OIDC_ISSUER: str = env_str(ENV, "LLMGW_OIDC_ISSUER", "").rstrip("/")
+LLMGW_OIDC_GROUPS_CLAIM: str = env_str(ENV, "LLMGW_OIDC_GROUPS_CLAIM", "groups")
+LLMGW_OIDC_STAFF_GROUPS: list[str] = _read(env_list, "LLMGW_OIDC_STAFF_GROUPS", [])
+LLMGW_OIDC_SUPERUSER_GROUPS: list[str] = _read(env_list, "LLMGW_OIDC_SUPERUSER_GROUPS", [])
+LLMGW_OIDC_CREATE_TEAMS: bool = _read(env_bool, "LLMGW_OIDC_CREATE_TEAMS", False)
+OIDC_RP_CLIENT_ID = env_str(ENV, "LLMGW_OIDC_CLIENT_ID", "")
+OIDC_RP_CLIENT_SECRET = env_str(ENV, "LLMGW_OIDC_CLIENT_SECRET", "")
+OIDC_RP_SIGN_ALGO = env_str(ENV, "LLMGW_OIDC_SIGN_ALGO", "RS256")
+OIDC_RP_SCOPES = env_str(ENV, "LLMGW_OIDC_SCOPES", "openid email profile")
+OIDC_USE_PKCE = True
+OIDC_TIMEOUT: float = _read(env_float, "LLMGW_OIDC_TIMEOUT", 10.0, minimum=0.5)
+OIDC_AUTHENTICATE_CLASS = "llmgw_site.sso.Authenticate"
+OIDC_CALLBACK_CLASS = "llmgw_site.sso.Callback"
+LOGIN_REDIRECT_URL = "/signed-in/"
+LOGIN_REDIRECT_URL_FAILURE = "/account/login/?sso=failed"
+if LLMGW_OIDC_ISSUER:
+    if not LLMGW_OIDC_ISSUER.startswith(("https://", "http://")):
+        _errors.append(f"LLMGW_OIDC_ISSUER={LLMGW_OIDC_ISSUER!r} is not an http(s) URL")
+    if not OIDC_RP_CLIENT_ID or not OIDC_RP_CLIENT_SECRET:
+        _errors.append("LLMGW_OIDC_ISSUER needs LLMGW_OIDC_CLIENT_ID and LLMGW_OIDC_CLIENT_SECRET")
+    AUTHENTICATION_BACKENDS.append("llmgw_site.sso.Backend")
+elif not LLMGW_PASSWORD_LOGIN:
+    _errors.append("LLMGW_PASSWORD_LOGIN=false leaves no way to sign in without LLMGW_OIDC_ISSUER")
+
+LLMGW_CLIENT_IP_HEADER: str = env_str(ENV, "LLMGW_CLIENT_IP_HEADER", "")
+AXES_CLIENT_IP_CALLABLE = "llmgw_site.signin.client_ip"
 
 LOGGING = {
     "version": 1,
@@ -383,5 +479,11 @@ LOGGING = {
         "uvicorn": {"level": "WARNING"},
         "celery.app.trace": {"level": "WARNING"},
         "celery.beat": {"level": "WARNING"},
+        # Every sign-in would log a line; lockouts and failures are warnings and still show.
+        "axes": {"level": "WARNING"},
     },
 }
+
+# Last, so that every malformed variable above is reported at once.
+if _errors:
+    raise ImproperlyConfigured("llmgw cannot start:\n  " + "\n  ".join(_errors))

@@ -1,0 +1,478 @@
+"""The admin API (/api/admin/v1/): one test or more per route, its authentication (admin tokens,
+staff sessions with CSRF), its errors (a code and the field at fault) and its pagination."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Group, User
+from django.core.management import call_command
+from django.test import Client
+
+from control.models import Event, Node, Profile, Replica, ServedModel
+from gateway.models import ApiKey
+from llmgw_site.admin_api import tokens
+from llmgw_site.admin_api.models import AdminToken
+from tests.harness.factories import (
+    PASSWORD,
+    make_key,
+    make_model,
+    make_node,
+    make_replica,
+    make_usage,
+    make_user,
+)
+
+pytestmark = pytest.mark.django_db
+
+BASE = "/api/admin/v1"
+
+
+class Api:
+    """A program calling the API with one admin token, as an operator's script would."""
+
+    def __init__(self, token: str) -> None:
+        self.client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    def call(self, method: str, path: str, body: Any = None, **params: Any) -> tuple[int, Any]:
+        send = getattr(self.client, method.lower())
+        if body is not None:
+            response = send(f"{BASE}{path}", json.dumps(body), content_type="application/json")
+        elif method in {"GET", "DELETE"}:
+            response = send(f"{BASE}{path}", params)
+        else:
+            response = send(f"{BASE}{path}")
+        data = json.loads(response.content) if response.content else None
+        return response.status_code, data
+
+    def get(self, path: str, **params: Any) -> Any:
+        status, data = self.call("GET", path, **params)
+        assert status == 200, data
+        return data
+
+
+@pytest.fixture
+def api() -> Api:
+    return Api(tokens.issue("tests", scope=AdminToken.Scope.WRITE).token)
+
+
+@pytest.fixture
+def reader() -> Api:
+    return Api(tokens.issue("tests-read", scope=AdminToken.Scope.READ).token)
+
+
+# --------------------------------------------------------------------------- authentication
+
+
+def test_no_credentials_is_401_with_a_code() -> None:
+    response = Client().get(f"{BASE}/models")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "unauthorized"
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["Bearer llmgw-admin-" + "x" * 43, "Bearer nonsense", "Basic YWRtaW46YWRtaW4=", "Bearer "],
+)
+def test_wrong_tokens_are_refused(header: str) -> None:
+    response = Client(HTTP_AUTHORIZATION=header).get(f"{BASE}/models")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "unauthorized"
+
+
+def test_a_revoked_or_expired_token_stops_working() -> None:
+    issued = tokens.issue("ci")
+    api = Api(issued.token)
+    assert api.call("GET", "/models")[0] == 200
+    assert tokens.revoke(issued.row.pk) is True
+    assert tokens.revoke(issued.row.pk) is False
+    assert api.call("GET", "/models")[0] == 401
+    expired = tokens.issue("old")
+    AdminToken.objects.filter(pk=expired.row.pk).update(expires_at="2000-01-01T00:00:00Z")
+    assert Api(expired.token).call("GET", "/models")[0] == 401
+
+
+def test_only_the_hash_of_a_token_is_stored() -> None:
+    issued = tokens.issue("ci")
+    row = AdminToken.objects.get()
+    assert issued.token not in {row.prefix, row.token_hash}
+    assert row.token_hash == tokens.hash_token(issued.token)
+    assert issued.token.startswith(row.prefix) and len(row.prefix) < len(issued.token) // 2
+
+
+def test_a_read_only_token_reads_but_cannot_write(reader: Api) -> None:
+    node = make_node("gpu-1")
+    assert reader.get("/nodes")["count"] == 1
+    status, body = reader.call("POST", "/nodes/gpu-1/drain")
+    assert status == 403 and body["error"]["code"] == "read_only"
+    assert Node.objects.get(pk=node.pk).schedule == Node.Schedule.ACTIVE
+
+
+def test_a_staff_session_reads_and_a_superuser_writes_only_with_csrf() -> None:
+    make_node("gpu-1")
+    staff = Client(enforce_csrf_checks=True)
+    staff.force_login(make_user("ops", staff=True))
+    assert staff.get(f"{BASE}/nodes").status_code == 200
+    assert staff.post(f"{BASE}/nodes/gpu-1/cordon").json()["error"]["code"] == "csrf_failed"
+
+    root = Client(enforce_csrf_checks=True)
+    root.force_login(make_user("root", superuser=True))
+    root.get("/admin/")  # sets the CSRF cookie, as the admin's pages do
+    token = root.cookies["csrftoken"].value
+    assert root.post(f"{BASE}/nodes/gpu-1/cordon").status_code == 403
+    response = root.post(f"{BASE}/nodes/gpu-1/cordon", HTTP_X_CSRFTOKEN=token)
+    assert response.status_code == 200 and response.json()["changed"] is True
+    staff_token = staff.get("/admin/") and staff.cookies["csrftoken"].value
+    denied = staff.post(f"{BASE}/nodes/gpu-1/undrain", HTTP_X_CSRFTOKEN=staff_token)
+    assert denied.status_code == 403 and denied.json()["error"]["code"] == "read_only"
+    assert Node.objects.get(name="gpu-1").schedule == Node.Schedule.CORDONED
+
+
+def test_a_non_staff_session_is_refused() -> None:
+    client = Client()
+    client.force_login(make_user("alice"))
+    assert client.get(f"{BASE}/nodes").status_code == 401
+
+
+def test_create_admin_token_prints_the_token_once_and_it_works() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    call_command("create_admin_token", "ci-catalog", "--scope", "write", stdout=out, stderr=err)
+    token = out.getvalue().strip()
+    row = AdminToken.objects.get()
+    assert row.scope == "write" and row.name == "ci-catalog" and token not in err.getvalue()
+    assert Api(token).call("POST", "/nodes/none/drain")[0] == 404  # authorised, no such node
+    call_command("revoke_admin_token", row.prefix, stdout=io.StringIO())
+    assert Api(token).call("GET", "/nodes")[0] == 401
+
+
+def test_the_admin_issues_an_admin_token_once_and_revokes_it() -> None:
+    client = Client()
+    client.force_login(make_user("root", superuser=True))
+    page = client.post(
+        "/admin/admin_api/admintoken/add/", {"name": "deploy", "scope": "read"}
+    ).content.decode()
+    row = AdminToken.objects.get()
+    token = page.split('id="llmgw-new-admin-token" class="lg-key">')[1].split("<")[0]
+    assert tokens.check(token) is not None and row.created_by is not None
+    client.post(
+        "/admin/admin_api/admintoken/",
+        {"action": "revoke", "_selected_action": [row.pk]},
+    )
+    assert tokens.check(token) is None
+    staff = Client()
+    staff.force_login(make_user("ops", staff=True))
+    assert staff.get("/admin/admin_api/admintoken/").status_code == 403
+
+
+def test_the_openapi_document_lists_every_route() -> None:
+    client = Client()
+    client.force_login(make_user("ops", staff=True))
+    doc = Client().get(f"{BASE}/openapi.json")
+    if doc.status_code != 200:  # the document is for staff and tokens alike
+        doc = client.get(f"{BASE}/openapi.json")
+    paths = doc.json()["paths"]
+    for path in [
+        "/api/admin/v1/models",
+        "/api/admin/v1/models/{name}/scale",
+        "/api/admin/v1/nodes/{name}/drain",
+        "/api/admin/v1/replicas/{replica_id}/restart",
+        "/api/admin/v1/keys",
+        "/api/admin/v1/usage",
+        "/api/admin/v1/catalog",
+        "/api/admin/v1/lease",
+    ]:
+        assert path in paths, path
+
+
+# --------------------------------------------------------------------------- the catalog
+
+
+def test_profiles_create_read_update_delete(api: Api) -> None:
+    status, body = api.call("POST", "/profiles", {"name": "vllm-tp2", "engine": "vllm"})
+    assert status == 201 and body["engine"] == "vllm" and body["gpus_per_shard"] == 1
+    status, body = api.call("POST", "/profiles", {"name": "vllm-tp2"})
+    assert status == 409 and body["error"] == {
+        "code": "exists",
+        "message": "profile 'vllm-tp2' exists",
+        "field": "name",
+    }
+    status, body = api.call("PATCH", "/profiles/vllm-tp2", {"gpus_per_shard": 2})
+    assert status == 200 and body["gpus_per_shard"] == 2
+    assert api.get("/profiles/vllm-tp2")["gpus_per_shard"] == 2
+    assert api.get("/profiles")["items"][0]["name"] == "vllm-tp2"
+    assert api.call("DELETE", "/profiles/vllm-tp2")[0] == 204
+    assert not Profile.objects.exists()
+
+
+def test_a_profile_in_use_is_not_deleted(api: Api) -> None:
+    make_model("llama3")
+    status, body = api.call("DELETE", "/profiles/llama3-sim")
+    assert status == 409 and body["error"]["code"] == "in_use"
+    assert Profile.objects.filter(name="llama3-sim").exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"name": "p", "gpus_per_shard": 0}, "gpus_per_shard"),
+        ({"name": "p", "colour": "red"}, "colour"),
+        ({"name": "p", "engine": "tensorrt"}, "engine"),
+        ({"name": "p", "env": {"BAD NAME": "x"}}, "env"),
+        ({"name": "bad name"}, "name"),
+    ],
+)
+def test_a_bad_profile_is_refused_naming_the_field(api: Api, body: Any, field: str) -> None:
+    status, answer = api.call("POST", "/profiles", body)
+    assert status == 422, answer
+    assert answer["error"]["code"] == "invalid" and answer["error"]["field"] == field
+    assert not Profile.objects.exists()
+
+
+def test_models_create_read_update_delete(api: Api) -> None:
+    api.call("POST", "/profiles", {"name": "sim"})
+    status, body = api.call(
+        "POST", "/models", {"name": "llama3", "source": "org/llama3", "default_profile": "sim"}
+    )
+    assert status == 201, body
+    assert body["profiles"] == ["sim"] and body["min_replicas"] == 0 and body["enabled"]
+    status, body = api.call("PATCH", "/models/llama3", {"aliases": ["l3"], "idle_timeout_s": 60})
+    assert status == 200 and body["aliases"] == ["l3"] and body["idle_timeout_s"] == 60
+    assert api.get("/models/llama3")["default_profile"] == "sim"
+    assert api.get("/models")["count"] == 1
+    assert api.call("DELETE", "/models/llama3")[0] == 204
+    assert not ServedModel.objects.exists()
+    (event,) = Event.objects.filter(subject="model/llama3")
+    assert event.data == {"actor": "token:tests", "deleted": True}
+    assert api.call("GET", "/models/llama3")[0] == 404
+
+
+def test_deleting_a_model_tells_the_nodes_that_ran_it(api: Api) -> None:
+    node = make_node("gpu-1")
+    make_replica(make_model("llama3"), [(node, [0])])
+    assert api.call("DELETE", "/models/llama3")[0] == 204
+    assert not Replica.objects.exists()
+    assert Node.objects.get(pk=node.pk).desired_revision >= 1
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        ({"name": "m", "source": "s", "default_profile": "nope"}, 422, "default_profile"),
+        ({"name": "m", "source": "s"}, 422, "default_profile"),
+        ({"name": "m", "source": "s", "default_profile": "sim", "max_replicas": 0}, 422,
+         "max_replicas"),
+        ({"name": "m", "source": "s", "default_profile": "sim", "min_replicas": 3,
+          "max_replicas": 1}, 422, "min_replicas"),
+        ({"name": "m", "source": "s", "default_profile": "sim", "profiles": ["sim", "x"]}, 422,
+         "profiles[1]"),
+    ],
+)  # fmt: skip
+def test_a_bad_model_is_refused_naming_the_field(
+    api: Api, body: Any, status: int, field: str
+) -> None:
+    api.call("POST", "/profiles", {"name": "sim"})
+    got, answer = api.call("POST", "/models", body)
+    assert (got, answer["error"]["field"]) == (status, field), answer
+    assert not ServedModel.objects.exists()
+
+
+def test_scale_and_pin_record_who_did_it(api: Api) -> None:
+    make_model("llama3")
+    status, body = api.call("POST", "/models/llama3/scale", {"min_replicas": 1, "max_replicas": 3})
+    assert status == 200 and (body["min_replicas"], body["max_replicas"]) == (1, 3)
+    status, body = api.call("POST", "/models/llama3/scale", {"min_replicas": 4, "max_replicas": 3})
+    assert status == 422 and body["error"]["field"] == "min_replicas"
+    status, body = api.call("POST", "/models/llama3/pin", {"pinned": True})
+    assert status == 200 and body["pinned"] is True
+    kinds = [e.data for e in Event.objects.filter(subject="model/llama3").order_by("id")]
+    assert kinds == [
+        {"actor": "token:tests", "min_replicas": 1, "max_replicas": 3},
+        {"actor": "token:tests", "pinned": True},
+    ]
+    assert api.call("POST", "/models/nope/pin", {"pinned": True})[0] == 404
+
+
+# --------------------------------------------------------------------------- the fleet
+
+
+def test_nodes_list_filter_and_show_gpus(api: Api) -> None:
+    make_node("gpu-1", gpus=[(81920, 0)] * 2)
+    make_node("gpu-2", schedule=Node.Schedule.CORDONED)
+    listed = api.get("/nodes")
+    assert listed["count"] == 2 and len(listed["items"][0]["gpus"]) == 2
+    assert [n["name"] for n in api.get("/nodes", schedule="cordoned")["items"]] == ["gpu-2"]
+    assert api.get("/nodes/gpu-2")["state"] == "cordoned"
+    status, body = api.call("GET", "/nodes", schedule="sideways")
+    assert status == 422 and body["error"]["field"] == "schedule"
+
+
+@pytest.mark.parametrize(
+    ("verb", "schedule"),
+    [("cordon", "cordoned"), ("drain", "draining"), ("undrain", "active")],
+)
+def test_node_schedule_routes(api: Api, verb: str, schedule: str) -> None:
+    start = Node.Schedule.ACTIVE if verb != "undrain" else Node.Schedule.DRAINING
+    make_node("gpu-1", schedule=start)
+    status, body = api.call("POST", f"/nodes/gpu-1/{verb}")
+    assert status == 200 and body["changed"] is True and body["node"]["schedule"] == schedule
+    assert api.call("POST", f"/nodes/gpu-1/{verb}")[1]["changed"] is False
+    assert api.call("POST", f"/nodes/nope/{verb}")[0] == 404
+
+
+def test_node_tokens_issue_once_and_revoke(api: Api) -> None:
+    status, body = api.call("POST", "/nodes/gpu-9/token")
+    assert status == 201 and body["token"].startswith(body["prefix"])
+    node = Node.objects.get(name="gpu-9")
+    assert node.token_prefix == body["prefix"] and body["token"] not in node.token_hash
+    assert api.call("DELETE", "/nodes/gpu-9/token")[1] == {"changed": True}
+    assert api.call("DELETE", "/nodes/gpu-9/token")[1] == {"changed": False}
+    status, body = api.call("POST", "/nodes/bad%20name/token")
+    assert status == 422 and body["error"]["field"] == "name"
+
+
+def test_replicas_list_filter_and_restart(api: Api) -> None:
+    a, b = make_node("gpu-a"), make_node("gpu-b")
+    replica = make_replica(make_model("llama3"), [(a, [0])])
+    make_replica(make_model("qwen"), [(b, [0])], desired=Replica.Desired.STOPPED)
+    assert api.get("/replicas")["count"] == 2
+    (only,) = api.get("/replicas", node="gpu-a")["items"]
+    assert only["model"] == "llama3" and only["shards"][0]["node"] == "gpu-a"
+    assert api.get("/replicas", desired="stopped")["items"][0]["model"] == "qwen"
+    assert api.get(f"/replicas/{replica.pk}")["generation"] == 1
+    status, body = api.call("POST", f"/replicas/{replica.pk}/restart")
+    assert status == 200 and body["changed"] and body["replica"]["generation"] == 2
+    assert api.call("POST", "/replicas/999/restart")[0] == 404
+
+
+def test_events_newest_first_with_filters(api: Api) -> None:
+    node = make_node("gpu-1")
+    make_model("llama3")
+    from control import operations
+
+    operations.cordon_node(node.pk, actor="t")
+    operations.pin_model(ServedModel.objects.get().pk, pinned=True, actor="t")
+    events = api.get("/events")["items"]
+    assert [e["subject"] for e in events] == ["model/llama3", "node/gpu-1"]
+    assert api.get("/events", subject="node/")["count"] == 1
+    assert api.get("/events", subject="node/gpu-1", kind="operator")["count"] == 1
+    assert api.get("/events", kind="placement")["count"] == 0
+
+
+def test_the_lease_route_says_who_leads(api: Api, election_on: Any) -> None:
+    body = api.get("/lease")
+    assert body["name"] == "reconciler" and body["held"] is False and body["election"]
+    from control import leases
+
+    leases.claim()
+    body = api.get("/lease")
+    assert body["held"] is True and body["owner"] == leases.owner_id() and body["epoch"] >= 1
+
+
+# --------------------------------------------------------------------------- people and keys
+
+
+def test_users_create_list_update(api: Api) -> None:
+    Group.objects.create(name="research")
+    status, body = api.call("POST", "/users", {"username": "bob", "teams": ["research"]})
+    assert status == 201 and body["teams"] == ["research"] and not body["is_staff"]
+    assert not User.objects.get(username="bob").has_usable_password()
+    assert api.call("POST", "/users", {"username": "bob"})[1]["error"]["code"] == "exists"
+    status, body = api.call("POST", "/users", {"username": "eve", "teams": ["nope"]})
+    assert status == 422 and body["error"]["field"] == "teams"
+    status, body = api.call("PATCH", "/users/bob", {"is_staff": True, "teams": []})
+    assert status == 200 and body["is_staff"] and body["teams"] == []
+    assert api.get("/users", staff=True)["items"][0]["username"] == "bob"
+    assert api.get("/users/bob")["is_active"] is True
+    assert api.call("PATCH", "/users/nobody", {"is_active": False})[0] == 404
+    status, body = api.call("POST", "/users", {"username": "x", "is_superuser": True})
+    assert status == 422 and body["error"]["field"] == "is_superuser"
+
+
+def test_teams_create_members_delete(api: Api) -> None:
+    make_user("alice")
+    make_user("bob")
+    status, body = api.call("POST", "/teams", {"name": "research", "members": ["alice"]})
+    assert status == 201 and body["members"] == ["alice"]
+    status, body = api.call("PUT", "/teams/research/members", {"members": ["bob", "alice"]})
+    assert status == 200 and body["members"] == ["alice", "bob"]
+    assert api.get("/teams")["items"][0]["name"] == "research"
+    assert api.get("/users", team="research")["count"] == 2
+    assert api.get("/teams/research")["members"] == ["alice", "bob"]
+    status, body = api.call("PUT", "/teams/research/members", {"members": ["carol"]})
+    assert status == 422 and body["error"]["field"] == "members"
+    assert api.call("DELETE", "/teams/research")[0] == 204
+    assert api.call("DELETE", "/teams/research")[0] == 404
+
+
+def test_api_keys_issue_once_list_and_revoke(api: Api) -> None:
+    make_user("alice")
+    status, body = api.call(
+        "POST", "/keys", {"user": "alice", "name": "ci", "models": ["llama3"], "rpm_limit": 60}
+    )
+    assert status == 201, body
+    key, row = body["key"], body["api_key"]
+    stored = ApiKey.objects.get()
+    assert key.startswith(stored.prefix) and key not in stored.key_hash
+    assert row["allowed_models"] == ["llama3"] and row["rpm_limit"] == 60 and row["user"] == "alice"
+    assert "key" not in api.get(f"/keys/{stored.pk}")
+    assert api.get("/keys", user="alice")["count"] == 1
+    assert api.call("POST", f"/keys/{stored.pk}/revoke")[1] == {"changed": True}
+    assert api.call("POST", f"/keys/{stored.pk}/revoke")[1] == {"changed": False}
+    assert api.get("/keys", revoked=True)["count"] == 1
+    status, body = api.call("POST", "/keys", {"user": "nobody"})
+    assert status == 422 and body["error"]["field"] == "user"
+
+
+# --------------------------------------------------------------------------- usage
+
+
+def test_usage_by_key_user_team_model_and_period(api: Api) -> None:
+    _, alice_key = make_key("alice")
+    _, bob_key = make_key("bob")
+    Group.objects.create(name="research").user_set.add(User.objects.get(username="alice"))
+    make_usage(model="llama3", api_key=alice_key, prompt_tokens=10, completion_tokens=5)
+    make_usage(model="llama3", api_key=alice_key, prompt_tokens=1, completion_tokens=1)
+    make_usage(model="qwen", api_key=bob_key, prompt_tokens=100, completion_tokens=0, status=500)
+
+    by_model = {r["group"]: r for r in api.get("/usage", by="model")["items"]}
+    assert by_model["llama3"]["total_tokens"] == 17 and by_model["llama3"]["requests"] == 2
+    assert by_model["qwen"]["errors"] == 1
+    assert [r["group"] for r in api.get("/usage", by="user")["items"]] == ["bob", "alice"]
+    teams = {r["group"]: r["requests"] for r in api.get("/usage", by="team")["items"]}
+    assert teams == {"research": 2, "(no team)": 1}
+    assert api.get("/usage", team="research", by="model")["count"] == 1
+    assert api.get("/usage", key=alice_key.prefix, by="key")["items"][0]["requests"] == 2
+    assert api.get("/usage", model="qwen")["items"][0]["prompt_tokens"] == 100
+    assert api.get("/usage", since="2999-01-01T00:00:00Z")["count"] == 0
+    status, body = api.call("GET", "/usage", by="colour")
+    assert status == 422 and body["error"]["field"] == "by"
+
+
+# --------------------------------------------------------------------------- pagination
+
+
+def test_every_list_is_paginated(api: Api) -> None:
+    for i in range(5):
+        make_node(f"gpu-{i}")
+    page = api.get("/nodes", limit=2, offset=2)
+    assert page["count"] == 5 and [n["name"] for n in page["items"]] == ["gpu-2", "gpu-3"]
+    status, body = api.call("GET", "/nodes", limit=0)
+    assert status == 422 and body["error"]["field"] == "limit"
+    for path in ["/profiles", "/models", "/nodes", "/replicas", "/events", "/users", "/teams",
+                 "/keys", "/usage"]:  # fmt: skip
+        body = api.get(path, limit=1)
+        assert set(body) == {"items", "count"}, path
+
+
+def test_a_malformed_json_body_is_a_json_error(api: Api) -> None:
+    response = api.client.post(f"{BASE}/profiles", "{nope", content_type="application/json")
+    assert response.status_code in {400, 422}
+    assert response.json()["error"]["code"] in {"bad_request", "invalid"}
+
+
+def test_a_password_is_never_accepted_by_the_api(api: Api) -> None:
+    status, body = api.call("POST", "/users", {"username": "x", "password": PASSWORD})
+    assert status == 422 and body["error"]["field"] == "password"
