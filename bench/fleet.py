@@ -173,10 +173,12 @@ def node_heartbeat_writes() -> int:
     )
 
 
-def committed() -> int:
-    return int(
-        sql("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")[0][0]
-    )
+def committed() -> tuple[int, int]:
+    """(transactions committed, sessions opened) in this database so far."""
+    row = sql(
+        "SELECT xact_commit, sessions FROM pg_stat_database WHERE datname = current_database()"
+    )[0]
+    return int(row[0]), int(row[1])
 
 
 def wanted_replicas() -> int:

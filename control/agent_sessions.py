@@ -7,7 +7,8 @@ moves text frames and calls :meth:`AgentSession.receive`, :meth:`AgentSession.ti
 :meth:`AgentSession.send_desired`; authentication happened before the session exists.
 
 Writes are kept small: a shard's row is written when its reported state changes, load and
-GPU memory and the heartbeat at most every :func:`control.health.heartbeat_write_interval`.
+GPU memory and the heartbeat at most every :func:`control.health.heartbeat_write_interval`,
+and the heartbeats of all the process's streams together (:class:`HeartbeatWriter`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,61 @@ class Coalescer:
         return False
 
 
+class HeartbeatWriter:
+    """The heartbeats of every stream of this process, written together.
+
+    Streams mark their node alive (each at most every write interval, see
+    :class:`Coalescer`); a task on the event loop writes every marked node in one statement
+    each :func:`control.health.heartbeat_flush_interval`. A thousand streams cost one commit
+    per flush instead of hundreds a second. A failed write keeps the marks for the next one.
+    """
+
+    def __init__(self, interval: float | None = None) -> None:
+        self.interval = interval
+        self.pending: set[int] = set()
+        self.writes = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def mark(self, node_id: int) -> None:
+        self.pending.add(node_id)
+        task = self._task
+        loop = asyncio.get_running_loop()
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._task = loop.create_task(self._run(), name="heartbeat-writer")
+
+    async def flush(self) -> int:
+        """Write what is marked now; how many nodes."""
+        ids, self.pending = self.pending, set()
+        if not ids:
+            return 0
+        try:
+            await database_sync_to_async(agent_reports.record_heartbeats)(ids)
+        except BaseException:
+            self.pending |= ids
+            raise
+        self.writes += 1
+        return len(ids)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval or health.heartbeat_flush_interval())
+            try:
+                await self.flush()
+            except DatabaseError as exc:
+                logger.warning("heartbeats of %d node(s) not written: %s", len(self.pending), exc)
+
+
+_process_heartbeats: HeartbeatWriter | None = None
+
+
+def process_heartbeats() -> HeartbeatWriter:
+    """The one writer of this process's streams."""
+    global _process_heartbeats
+    if _process_heartbeats is None:
+        _process_heartbeats = HeartbeatWriter()
+    return _process_heartbeats
+
+
 def _state_key(report: ShardStatus) -> tuple[Any, ...]:
     """What makes a shard report worth a write at once (load changes wait for the beat)."""
     return (
@@ -97,8 +153,10 @@ class AgentSession:
         transport: Transport,
         *,
         clock: Callable[[], float] = time.monotonic,
+        heartbeats: HeartbeatWriter | None = None,
     ) -> None:
         self.identity = identity
+        self.heartbeats = heartbeats or process_heartbeats()
         self.transport = transport
         self.clock = clock
         self.opened_at = clock()
@@ -182,7 +240,7 @@ class AgentSession:
 
     async def _on_heartbeat(self) -> None:
         if self.beats.due():
-            await database_sync_to_async(agent_reports.record_heartbeat)(self.identity.id)
+            self.heartbeats.mark(self.identity.id)
 
     async def _on_status(self, status: Status) -> None:
         beat = self.beats.due()
@@ -205,7 +263,7 @@ class AgentSession:
                 self.identity.id, changed, report
             )
         if beat:
-            await database_sync_to_async(agent_reports.record_heartbeat)(self.identity.id)
+            self.heartbeats.mark(self.identity.id)
         # Remembered only once written: a failed write is retried with the next status.
         written.shards = {r.shard_id: r for r in status.shards}
         written.revision = status.observed_revision

@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from control import health, leases, lifecycle, nudges, placement, scaling, weights
 from control.leases import Leadership, LeadershipLost
-from control.models import LIVE_SHARD_STATES, Event, Node, Replica, ServedModel, Shard
+from control.models import LIVE_SHARD_STATES, Event, Gpu, Node, Replica, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -65,56 +65,108 @@ class ReplicaView:
         return any(shard.observed in LIVE_SHARD_STATES for shard in self.shards)
 
 
+@dataclass(frozen=True)
+class GpuView:
+    index: int
+    memory_total_mib: int
+    memory_used_mib: int
+
+
+@dataclass
+class NodeView:
+    """What a tick needs of a node, read as plain values (no model instances: at a thousand
+    nodes and eight thousand GPUs, building those was most of a tick)."""
+
+    pk: int
+    name: str
+    health: str
+    schedule: str
+    labels: dict[str, object]
+    port_min: int | None
+    port_max: int | None
+    weights_report: list[object]
+    remove_weights: list[str]
+    gpus: list[GpuView] = field(default_factory=list)
+
+
 @dataclass
 class Snapshot:
     now: datetime
     models: dict[int, ServedModel]
-    nodes: dict[int, Node]
+    nodes: dict[int, NodeView]
     replicas: list[ReplicaView]
 
     def replicas_of(self, model_id: int) -> list[ReplicaView]:
         return [r for r in self.replicas if r.model_id == model_id]
 
 
-def read_snapshot(now: datetime) -> Snapshot:
-    """Everything one tick decides on, in a handful of queries."""
-    models = {
-        m.pk: m
-        for m in ServedModel.objects.select_related("default_profile").prefetch_related("profiles")
+_NODE_FIELDS = (
+    "pk",
+    "name",
+    "health",
+    "schedule",
+    "labels",
+    "port_min",
+    "port_max",
+    "weights_report",
+    "remove_weights",
+)
+
+
+def read_nodes() -> dict[int, NodeView]:
+    """Every node and its GPUs: two set-based queries, whatever the size of the fleet."""
+    nodes = {
+        row[0]: NodeView(*row, gpus=[])
+        for row in Node.objects.order_by("pk").values_list(*_NODE_FIELDS)
     }
-    fleet = {n.pk: n for n in Node.objects.prefetch_related("gpus")}
+    for node_id, index, total, used in Gpu.objects.order_by("node_id", "index").values_list(
+        "node_id", "index", "memory_total_mib", "memory_used_mib"
+    ):
+        node = nodes.get(node_id)
+        if node is not None:  # a node created after the first query: seen next tick
+            node.gpus.append(GpuView(index, total, used))
+    return nodes
+
+
+def read_snapshot(now: datetime) -> Snapshot:
+    """Everything one tick decides on, in a handful of set-based queries."""
+    models = {m.pk: m for m in ServedModel.objects.select_related("default_profile")}
+    fleet = read_nodes()
     replicas: dict[int, ReplicaView] = {}
     # Stopped replicas matter only while a shard may still run (its GPUs are not free yet).
     live_shard = Shard.objects.filter(replica=OuterRef("pk"), observed__in=LIVE_SHARD_STATES)
     current = Replica.objects.exclude(desired=Replica.Desired.STOPPED) | Replica.objects.filter(
         Exists(live_shard)
     )
-    for replica in current.order_by("id"):
-        replicas[replica.pk] = ReplicaView(
-            replica.pk,
-            replica.model_id,
-            replica.desired,
-            replica.observed,
-            replica.failures,
-            replica.backoff_until,
-            replica.last_request_at,
-        )
-    for shard in Shard.objects.filter(replica_id__in=list(replicas)).order_by("replica_id", "rank"):
-        replicas[shard.replica_id].shards.append(
+    for row in current.order_by("id").values_list(
+        "pk",
+        "model_id",
+        "desired",
+        "observed",
+        "failures",
+        "backoff_until",
+        "last_request_at",
+    ):
+        replicas[row[0]] = ReplicaView(*row)
+    shards = Shard.objects.filter(replica_id__in=list(replicas)).order_by("replica_id", "rank")
+    for shard_id, replica_id, node_id, rank, gpus, port, observed, running in shards.values_list(
+        "pk", "replica_id", "node_id", "rank", "gpu_indices", "port", "observed", "requests_running"
+    ):
+        replicas[replica_id].shards.append(
             ShardView(
-                shard.pk,
-                shard.node_id,
-                shard.rank,
-                tuple(int(i) for i in shard.gpu_indices),
-                shard.port,
-                shard.observed,
-                shard.requests_running or 0,
+                shard_id,
+                node_id,
+                rank,
+                tuple(int(i) for i in gpus),
+                port,
+                observed,
+                running or 0,
             )
         )
     return Snapshot(now, models, fleet, list(replicas.values()))
 
 
-def _schedulable(node: Node) -> bool:
+def _schedulable(node: NodeView) -> bool:
     return node.health == Node.Health.READY and node.schedule == Node.Schedule.ACTIVE
 
 
@@ -135,7 +187,7 @@ def fleet_of(snapshot: Snapshot) -> scaling.Fleet:
                 node.name,
                 tuple(
                     placement.FreeGpu(gpu.index, max(0, gpu.memory_total_mib - gpu.memory_used_mib))
-                    for gpu in node.gpus.all()
+                    for gpu in node.gpus
                 ),
                 labels={str(k): str(v) for k, v in node.labels.items()},
                 cached_sources=frozenset(present),
