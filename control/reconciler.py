@@ -257,7 +257,9 @@ def create_replica(
     lead: Leadership, model: ServedModel, where: placement.Placement, reason: str
 ) -> int:
     """Place a new replica of ``model``; raises LeadershipLost when the fence refuses it."""
-    node_ids = {n.name: n.pk for n in Node.objects.filter(name__in=[s.node for s in where.shards])}
+    node_ids = dict(
+        Node.objects.filter(name__in=[s.node for s in where.shards]).values_list("name", "pk")
+    )
     with leases.fenced(lead):
         replica = Replica.objects.create(
             model=model, profile=model.default_profile, epoch=lead.epoch
@@ -272,7 +274,9 @@ def create_replica(
             )
             for shard in where.shards
         )
-        ServedModel.objects.filter(pk=model.pk).exclude(placement_note="").update(placement_note="")
+        if model.placement_note:  # only the leader writes notes: the snapshot's is current
+            ServedModel.objects.filter(pk=model.pk).update(placement_note="")
+            model.placement_note = ""
         layout = ", ".join(
             f"rank {s.rank} on {s.node} gpus {list(s.gpu_indices)} port {s.port}"
             for s in where.shards
@@ -298,6 +302,7 @@ def note_unplaceable(lead: Leadership, model: ServedModel, reason: str) -> None:
         )
         if changed:
             _event(lead, Event.Kind.PLACEMENT, f"model/{model.name}", f"cannot place: {reason}")
+    model.placement_note = reason
 
 
 def change_desired(
@@ -391,10 +396,22 @@ class TickResult:
     placed: int = 0
     changed: int = 0
     lost_leadership: bool = False
+    # The budget ran out after this model: the next tick goes on from the one after it.
+    resume_after: int | None = None
 
 
-def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
-    """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick."""
+def tick(
+    lead: Leadership,
+    now: datetime | None = None,
+    *,
+    budget: float | None = None,
+    resume_after: int | None = None,
+) -> TickResult:
+    """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick.
+
+    ``budget`` (seconds) bounds the scaling step: each placement is a transaction of its own,
+    so a wave of hundreds of activations would make one tick last seconds; past the budget
+    the tick stops between two models and the next one goes on after ``resume_after``."""
     now = now or timezone.now()
     with leases.fenced(lead):
         health.refresh_node_health(now)
@@ -403,7 +420,8 @@ def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
     _abandon_lost(lead, snapshot, result)
     _restart_failed(lead, snapshot, result)
     _finish_drains(lead, snapshot, result)
-    _scale_all(lead, snapshot, result)
+    deadline = None if budget is None else time.monotonic() + budget
+    _scale_all(lead, snapshot, result, deadline=deadline, resume_after=resume_after)
     _settle_weight_removals(lead, snapshot, result)
     return result
 
@@ -531,10 +549,31 @@ class ScalingView:
         self.replicas.append(scaling.ReplicaState(use, draining=False))
 
 
-def _scale_all(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+def models_in_turn(models: Iterable[ServedModel], resume_after: int | None) -> list[ServedModel]:
+    """Models by id, starting after ``resume_after`` and wrapping around, so a tick cut short
+    by its budget does not leave the same models waiting tick after tick (pure)."""
+    ordered = sorted(models, key=lambda m: m.pk)
+    if resume_after is None:
+        return ordered
+    return [m for m in ordered if m.pk > resume_after] + [
+        m for m in ordered if m.pk <= resume_after
+    ]
+
+
+def _scale_all(
+    lead: Leadership,
+    snapshot: Snapshot,
+    result: TickResult,
+    *,
+    deadline: float | None = None,
+    resume_after: int | None = None,
+) -> None:
     view = ScalingView.of(snapshot)
-    for model in snapshot.models.values():
+    for model in models_in_turn(snapshot.models.values(), resume_after):
         _scale(lead, view, model, snapshot.now, result)
+        if deadline is not None and time.monotonic() >= deadline:
+            result.resume_after = model.pk
+            break
 
 
 def _scale(
@@ -587,6 +626,7 @@ class Reconciler:
 
     def __init__(self) -> None:
         self.leadership: Leadership | None = None
+        self.resume_after: int | None = None
 
     def run_once(self) -> TickResult:
         with _one_tick_at_a_time() as got_it:
@@ -600,7 +640,12 @@ class Reconciler:
                 logger.debug("tick: follower (epoch %s)", self.leadership.epoch)
                 return TickResult(acted=False, epoch=self.leadership.epoch)
             try:
-                result = tick(self.leadership)
+                result = tick(
+                    self.leadership,
+                    budget=settings.LLMGW_RECONCILE_TICK_BUDGET,
+                    resume_after=self.resume_after,
+                )
+                self.resume_after = result.resume_after
                 logger.debug(
                     "tick: leader epoch %s, %s placed, %s changed, %.0f ms",
                     result.epoch,
