@@ -17,13 +17,14 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 from channels.db import database_sync_to_async
 from django.conf import settings
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 
 from agents.protocol import (
     CloseCode,
@@ -41,8 +42,32 @@ from control import agent_reports, desired_state, health, node_tokens
 from control.models import Node
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 HELLO_TIMEOUT: Final = 10.0
+
+
+def store_threads() -> int:
+    """Threads that run the streams' store work. One by default, as Channels does it: every
+    stream of the process waits on one thread. With a PostgreSQL pool, as many as the pool has
+    connections: a thousand agents reconnecting at once queue behind one thread for tens of
+    seconds, and the store has cores of its own. SQLite keeps one writer anyway."""
+    pool = connections["default"].settings_dict.get("OPTIONS", {}).get("pool")
+    if isinstance(pool, dict):
+        return max(1, int(pool.get("max_size", 1)))
+    return 1
+
+
+_store_executor: ThreadPoolExecutor | None = None
+
+
+def in_store_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]:
+    """``func`` made awaitable on the streams' store threads (connections closed or given back
+    to the pool around each call, as Channels' ``database_sync_to_async`` does)."""
+    global _store_executor
+    if _store_executor is None:
+        _store_executor = ThreadPoolExecutor(store_threads(), thread_name_prefix="llmgw-store")
+    return database_sync_to_async(func, thread_sensitive=False, executor=_store_executor)
 
 
 class Transport(Protocol):
@@ -95,7 +120,7 @@ class HeartbeatWriter:
         if not ids:
             return 0
         try:
-            await database_sync_to_async(agent_reports.record_heartbeats)(ids)
+            await in_store_thread(agent_reports.record_heartbeats)(ids)
         except BaseException:
             self.pending |= ids
             raise
@@ -221,7 +246,7 @@ class AgentSession:
                 f"this stream is authenticated as node {self.identity.name!r}, not {hello.node!r}",
             )
         try:
-            await database_sync_to_async(agent_reports.register_hello)(self.identity.id, hello)
+            await in_store_thread(agent_reports.register_hello)(self.identity.id, hello)
         except Node.DoesNotExist:
             # Deleted between the handshake and hello: its token went with it.
             raise ProtocolError(CloseCode.UNAUTHORIZED, "this node no longer exists") from None
@@ -259,9 +284,7 @@ class AgentSession:
             gpus=status.gpus if beat and status.gpus != written.gpus else None,
         )
         if changed or report != agent_reports.NodeReport():
-            await database_sync_to_async(agent_reports.record_status)(
-                self.identity.id, changed, report
-            )
+            await in_store_thread(agent_reports.record_status)(self.identity.id, changed, report)
         if beat:
             self.heartbeats.mark(self.identity.id)
         # Remembered only once written: a failed write is retried with the next status.
@@ -280,9 +303,7 @@ class AgentSession:
             return
         async with self._send_lock:
             try:
-                desired = await database_sync_to_async(desired_state.build_desired_state)(
-                    self.identity.id
-                )
+                desired = await in_store_thread(desired_state.build_desired_state)(self.identity.id)
             except DatabaseError as exc:
                 # Keep the stream: the agent keeps what it runs; the next resync tries again.
                 logger.warning(
@@ -322,9 +343,7 @@ class AgentSession:
     async def _send_if_revised(self) -> None:
         """The nudge's stand-in where the channel layer cannot carry one across processes."""
         try:
-            revision = await database_sync_to_async(desired_state.desired_revision)(
-                self.identity.id
-            )
+            revision = await in_store_thread(desired_state.desired_revision)(self.identity.id)
         except DatabaseError:
             return  # the resync retries; the agent keeps what it runs meanwhile
         if revision is not None and revision != self.sent_revision:

@@ -151,7 +151,7 @@ elif _database["ENGINE"] in {
     _pool_max = _read(env_int, "LLMGW_DB_POOL_MAX", 4, minimum=0)
     if _pool_max:
         _database["OPTIONS"]["pool"] = {
-            "min_size": 1,
+            "min_size": 0,
             "max_size": _pool_max,
             # Waiting for a free connection longer than a connection attempt may take means
             # the store is down or overloaded: fail the call as a failed connect would.
