@@ -9,9 +9,9 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
-typecheck migrations-check pytest-sqlite pytest-postgres bench: export SECRET_KEY = llmgw-checks-only-not-a-secret
+typecheck migrations-check pytest-sqlite pytest-postgres bench bench-fleet: export SECRET_KEY = llmgw-checks-only-not-a-secret
 
-.PHONY: proto run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench clean
+.PHONY: proto run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench bench-fleet clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,12 @@ test: $(TEST_STAMP)
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench
+
+# The control plane at fleet scale (1,000 simulated nodes, PostgreSQL + Redis); about 15
+# minutes with the default hour-slope sample of 10 minutes. BENCH_FLEET_ARGS=--duration 60 ...
+# It reuses the cluster tests' harness (the invariant checker, task events): the test tools.
+bench-fleet: $(TEST_STAMP)
+	$(PY) -m bench.fleet $(BENCH_FLEET_ARGS)
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*

@@ -11,7 +11,7 @@ shards' by the pure :func:`replica_observed`. Sessions coalesce what they write 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -121,22 +121,34 @@ def _store_gpus(node_id: int, gpus: Sequence[GpuInfo], now: datetime, *, prune: 
 def record_heartbeat(node_id: int) -> None:
     """The node is alive now. The caller coalesces: see
     :func:`control.health.heartbeat_write_interval`."""
+    record_heartbeats([node_id])
+
+
+def record_heartbeats(node_ids: Collection[int]) -> None:
+    """These nodes are alive now: one statement for all of them (a web process writes the
+    heartbeats of every stream it holds together, see :class:`control.health.HeartbeatWriter`).
+    Nodes that were not ready are ready again, each with its event."""
+    if not node_ids:
+        return
     now = timezone.now()
+    ids = sorted(set(node_ids))
     with transaction.atomic():
-        Node.objects.filter(pk=node_id).update(last_heartbeat_at=now)
-        back = (
-            Node.objects.filter(pk=node_id).exclude(health=Health.READY).update(health=Health.READY)
-        )
+        Node.objects.filter(pk__in=ids).update(last_heartbeat_at=now)
+        late = Node.objects.filter(pk__in=ids).exclude(health=Health.READY)
+        # Locked, so a node another writer makes ready meanwhile gets one event, not two.
+        back = list(late.select_for_update().values_list("pk", "name"))
         if back:
-            name = str(Node.objects.filter(pk=node_id).values_list("name", flat=True).first())
-            agent_event(
-                name,
-                now,
-                kind=Event.Kind.NODE,
-                subject=f"node/{name}",
-                message="node ready: heartbeats back",
-            )
-            logger.info("node %s ready again: heartbeats back", name)
+            Node.objects.filter(pk__in=[pk for pk, _ in back]).update(health=Health.READY)
+            for _, name in back:
+                agent_event(
+                    name,
+                    now,
+                    kind=Event.Kind.NODE,
+                    subject=f"node/{name}",
+                    message="node ready: heartbeats back",
+                )
+    for _, name in back:
+        logger.info("node %s ready again: heartbeats back", name)
 
 
 def replica_observed(shard_states: Iterable[str]) -> str:

@@ -11,7 +11,8 @@ Every stream is held to a message rate (closed with 4429 past it), and re-checks
 it was opened with at each resync, so a revocation ends it on every process.
 
 Writes are kept small: a shard's row is written when its reported state changes, load and
-GPU memory and the heartbeat at most every :func:`control.health.heartbeat_write_interval`.
+GPU memory and the heartbeat at most every :func:`control.health.heartbeat_write_interval`,
+and the heartbeats of all the process's streams together (:class:`HeartbeatWriter`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 from channels.db import database_sync_to_async
 from django.conf import settings
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 
 from agents.protocol import (
     CloseCode,
@@ -44,8 +46,32 @@ from control import agent_reports, desired_state, health, node_tokens
 from control.models import Node
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 HELLO_TIMEOUT: Final = 10.0
+
+
+def store_threads() -> int:
+    """Threads that run the streams' store work. One by default, as Channels does it: every
+    stream of the process waits on one thread. With a PostgreSQL pool, as many as the pool has
+    connections: a thousand agents reconnecting at once queue behind one thread for tens of
+    seconds, and the store has cores of its own. SQLite keeps one writer anyway."""
+    pool = connections["default"].settings_dict.get("OPTIONS", {}).get("pool")
+    if isinstance(pool, dict):
+        return max(1, int(pool.get("max_size", 1)))
+    return 1
+
+
+_store_executor: ThreadPoolExecutor | None = None
+
+
+def in_store_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]:
+    """``func`` made awaitable on the streams' store threads (connections closed or given back
+    to the pool around each call, as Channels' ``database_sync_to_async`` does)."""
+    global _store_executor
+    if _store_executor is None:
+        _store_executor = ThreadPoolExecutor(store_threads(), thread_name_prefix="llmgw-store")
+    return database_sync_to_async(func, thread_sensitive=False, executor=_store_executor)
 
 
 class Transport(Protocol):
@@ -90,6 +116,61 @@ class Coalescer:
         return False
 
 
+class HeartbeatWriter:
+    """The heartbeats of every stream of this process, written together.
+
+    Streams mark their node alive (each at most every write interval, see
+    :class:`Coalescer`); a task on the event loop writes every marked node in one statement
+    each :func:`control.health.heartbeat_flush_interval`. A thousand streams cost one commit
+    per flush instead of hundreds a second. A failed write keeps the marks for the next one.
+    """
+
+    def __init__(self, interval: float | None = None) -> None:
+        self.interval = interval
+        self.pending: set[int] = set()
+        self.writes = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def mark(self, node_id: int) -> None:
+        self.pending.add(node_id)
+        task = self._task
+        loop = asyncio.get_running_loop()
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._task = loop.create_task(self._run(), name="heartbeat-writer")
+
+    async def flush(self) -> int:
+        """Write what is marked now; how many nodes."""
+        ids, self.pending = self.pending, set()
+        if not ids:
+            return 0
+        try:
+            await in_store_thread(agent_reports.record_heartbeats)(ids)
+        except BaseException:
+            self.pending |= ids
+            raise
+        self.writes += 1
+        return len(ids)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval or health.heartbeat_flush_interval())
+            try:
+                await self.flush()
+            except DatabaseError as exc:
+                logger.warning("heartbeats of %d node(s) not written: %s", len(self.pending), exc)
+
+
+_process_heartbeats: HeartbeatWriter | None = None
+
+
+def process_heartbeats() -> HeartbeatWriter:
+    """The one writer of this process's streams."""
+    global _process_heartbeats
+    if _process_heartbeats is None:
+        _process_heartbeats = HeartbeatWriter()
+    return _process_heartbeats
+
+
 def _state_key(report: ShardStatus) -> tuple[Any, ...]:
     """What makes a shard report worth a write at once (load changes wait for the beat)."""
     return (
@@ -121,8 +202,10 @@ class AgentSession:
         transport: Transport,
         *,
         clock: Callable[[], float] = time.monotonic,
+        heartbeats: HeartbeatWriter | None = None,
     ) -> None:
         self.identity = identity
+        self.heartbeats = heartbeats or process_heartbeats()
         self.transport = transport
         self.clock = clock
         self.opened_at = clock()
@@ -201,7 +284,7 @@ class AgentSession:
                 f"this stream is authenticated as node {self.identity.name!r}, not {hello.node!r}",
             )
         try:
-            await database_sync_to_async(agent_reports.register_hello)(self.identity.id, hello)
+            await in_store_thread(agent_reports.register_hello)(self.identity.id, hello)
         except Node.DoesNotExist:
             # Deleted between the handshake and hello: its token went with it.
             raise ProtocolError(CloseCode.UNAUTHORIZED, "this node no longer exists") from None
@@ -220,7 +303,7 @@ class AgentSession:
 
     async def _on_heartbeat(self) -> None:
         if self.beats.due():
-            await database_sync_to_async(agent_reports.record_heartbeat)(self.identity.id)
+            self.heartbeats.mark(self.identity.id)
 
     async def _on_status(self, status: Status) -> None:
         beat = self.beats.due()
@@ -239,11 +322,9 @@ class AgentSession:
             gpus=status.gpus if beat and status.gpus != written.gpus else None,
         )
         if changed or report != agent_reports.NodeReport():
-            await database_sync_to_async(agent_reports.record_status)(
-                self.identity.id, changed, report
-            )
+            await in_store_thread(agent_reports.record_status)(self.identity.id, changed, report)
         if beat:
-            await database_sync_to_async(agent_reports.record_heartbeat)(self.identity.id)
+            self.heartbeats.mark(self.identity.id)
         # Remembered only once written: a failed write is retried with the next status.
         written.shards = {r.shard_id: r for r in status.shards}
         written.revision = status.observed_revision
@@ -260,9 +341,7 @@ class AgentSession:
             return
         async with self._send_lock:
             try:
-                desired = await database_sync_to_async(desired_state.build_desired_state)(
-                    self.identity.id
-                )
+                desired = await in_store_thread(desired_state.build_desired_state)(self.identity.id)
             except DatabaseError as exc:
                 # Keep the stream: the agent keeps what it runs; the next resync tries again.
                 logger.warning(
@@ -332,9 +411,7 @@ class AgentSession:
     async def _send_if_revised(self) -> None:
         """The nudge's stand-in where the channel layer cannot carry one across processes."""
         try:
-            revision = await database_sync_to_async(desired_state.desired_revision)(
-                self.identity.id
-            )
+            revision = await in_store_thread(desired_state.desired_revision)(self.identity.id)
         except DatabaseError:
             return  # the resync retries; the agent keeps what it runs meanwhile
         if revision is not None and revision != self.sent_revision:

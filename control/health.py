@@ -1,8 +1,10 @@
 """Node health, from heartbeats alone: ready, then unreachable, then lost as they stop.
 
-An agent beats every ``LLMGW_AGENT_HEARTBEAT_INTERVAL`` seconds, but its stream writes
-``last_heartbeat_at`` at most every :func:`heartbeat_write_interval` seconds, so a thousand
-agents cost a few writes a second, not a write per message. Health is computed from that
+An agent beats every ``LLMGW_AGENT_HEARTBEAT_INTERVAL`` seconds, but its stream marks
+``last_heartbeat_at`` for writing at most every :func:`heartbeat_write_interval` seconds, and
+each web process writes what its streams marked in one statement every
+:func:`heartbeat_flush_interval`, so a thousand agents cost one or two commits a second, not
+hundreds. Health is computed from that
 column by the pure :func:`node_health` and applied by :func:`refresh_node_health`, which the
 reconciler calls every tick. A node becomes ready again through the agent's own reports
 (:mod:`control.agent_reports`), never here.
@@ -47,6 +49,12 @@ def heartbeat_write_interval() -> float:
     """How often a stream writes its node's heartbeat: coalesced, but well inside the
     unreachable threshold so a live node can never look late."""
     return float(min(5.0, settings.LLMGW_UNREACHABLE_AFTER / 3))
+
+
+def heartbeat_flush_interval() -> float:
+    """How often a web process writes the heartbeats its streams collected, all in one
+    statement: a fraction of the write interval, so the flush adds little to a beat's age."""
+    return min(1.0, heartbeat_write_interval() / 2)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from control.leases import Leadership, LeadershipLost
 from control.models import (
     LIVE_SHARD_STATES,
     Event,
+    Gpu,
     Node,
     Profile,
     ProfileScale,
@@ -96,26 +97,78 @@ class ReplicaView:
         return any(shard.observed in LIVE_SHARD_STATES for shard in self.shards)
 
 
+@dataclass(frozen=True)
+class GpuView:
+    index: int
+    memory_total_mib: int
+    memory_used_mib: int
+
+
+@dataclass
+class NodeView:
+    """What a tick needs of a node, read as plain values (no model instances: at a thousand
+    nodes and eight thousand GPUs, building those was most of a tick)."""
+
+    pk: int
+    name: str
+    health: str
+    schedule: str
+    labels: dict[str, object]
+    port_min: int | None
+    port_max: int | None
+    weights_report: list[object]
+    remove_weights: list[str]
+    gpus: list[GpuView] = field(default_factory=list)
+
+
 @dataclass
 class Snapshot:
     now: datetime
     models: dict[int, ServedModel]
-    nodes: dict[int, Node]
+    nodes: dict[int, NodeView]
     replicas: list[ReplicaView]
 
     def replicas_of(self, model_id: int) -> list[ReplicaView]:
         return [r for r in self.replicas if r.model_id == model_id]
 
 
+_NODE_FIELDS = (
+    "pk",
+    "name",
+    "health",
+    "schedule",
+    "labels",
+    "port_min",
+    "port_max",
+    "weights_report",
+    "remove_weights",
+)
+
+
+def read_nodes() -> dict[int, NodeView]:
+    """Every node and its GPUs: two set-based queries, whatever the size of the fleet."""
+    nodes = {
+        row[0]: NodeView(*row, gpus=[])
+        for row in Node.objects.order_by("pk").values_list(*_NODE_FIELDS)
+    }
+    for node_id, index, total, used in Gpu.objects.order_by("node_id", "index").values_list(
+        "node_id", "index", "memory_total_mib", "memory_used_mib"
+    ):
+        node = nodes.get(node_id)
+        if node is not None:  # a node created after the first query: seen next tick
+            node.gpus.append(GpuView(index, total, used))
+    return nodes
+
+
 def read_snapshot(now: datetime) -> Snapshot:
-    """Everything one tick decides on, in a handful of queries."""
+    """Everything one tick decides on, in a handful of set-based queries."""
     models = {
         m.pk: m
         for m in ServedModel.objects.select_related("default_profile").prefetch_related(
             "profiles", "scales"
         )
     }
-    fleet = {n.pk: n for n in Node.objects.prefetch_related("gpus")}
+    fleet = read_nodes()
     replicas: dict[int, ReplicaView] = {}
     # Stopped replicas matter only while a shard may still run (its GPUs are not free yet).
     live_shard = Shard.objects.filter(replica=OuterRef("pk"), observed__in=LIVE_SHARD_STATES)
@@ -124,37 +177,52 @@ def read_snapshot(now: datetime) -> Snapshot:
     )
     in_flight = gateway_counts.in_flight_by_replica()
     profile_names = dict(Profile.objects.values_list("id", "name"))
-    for replica in current.order_by("id"):
-        replicas[replica.pk] = ReplicaView(
-            replica.pk,
-            replica.model_id,
-            replica.profile_id,
-            replica.desired,
-            replica.observed,
-            replica.failures,
-            replica.backoff_until,
-            replica.last_request_at,
-            profile_name=profile_names.get(replica.profile_id, ""),
-            gateway_in_flight=in_flight.get(replica.pk, 0),
-            draining_since=replica.draining_since,
-            drain_held=replica.drain_held,
+    for row in current.order_by("id").values_list(
+        "pk",
+        "model_id",
+        "profile_id",
+        "desired",
+        "observed",
+        "failures",
+        "backoff_until",
+        "last_request_at",
+        "draining_since",
+        "drain_held",
+    ):
+        (pk, model_id, profile_id, desired, observed, failures, backoff, last, since, held) = row
+        replicas[pk] = ReplicaView(
+            pk,
+            model_id,
+            profile_id,
+            desired,
+            observed,
+            failures,
+            backoff,
+            last,
+            profile_name=profile_names.get(profile_id, ""),
+            gateway_in_flight=in_flight.get(pk, 0),
+            draining_since=since,
+            drain_held=held,
         )
-    for shard in Shard.objects.filter(replica_id__in=list(replicas)).order_by("replica_id", "rank"):
-        replicas[shard.replica_id].shards.append(
+    shards = Shard.objects.filter(replica_id__in=list(replicas)).order_by("replica_id", "rank")
+    for shard_id, replica_id, node_id, rank, gpus, port, observed, running in shards.values_list(
+        "pk", "replica_id", "node_id", "rank", "gpu_indices", "port", "observed", "requests_running"
+    ):
+        replicas[replica_id].shards.append(
             ShardView(
-                shard.pk,
-                shard.node_id,
-                shard.rank,
-                tuple(int(i) for i in shard.gpu_indices),
-                shard.port,
-                shard.observed,
-                shard.requests_running or 0,
+                shard_id,
+                node_id,
+                rank,
+                tuple(int(i) for i in gpus),
+                port,
+                observed,
+                running or 0,
             )
         )
     return Snapshot(now, models, fleet, list(replicas.values()))
 
 
-def _schedulable(node: Node) -> bool:
+def _schedulable(node: NodeView) -> bool:
     return node.health == Node.Health.READY and node.schedule == Node.Schedule.ACTIVE
 
 
@@ -175,7 +243,7 @@ def fleet_of(snapshot: Snapshot) -> scaling.Fleet:
                 node.name,
                 tuple(
                     placement.FreeGpu(gpu.index, max(0, gpu.memory_total_mib - gpu.memory_used_mib))
-                    for gpu in node.gpus.all()
+                    for gpu in node.gpus
                 ),
                 labels={str(k): str(v) for k, v in node.labels.items()},
                 cached_sources=frozenset(present),
@@ -316,7 +384,9 @@ def create_replica(
     """Place a new replica of ``model`` under ``profile`` (default: its default profile);
     raises LeadershipLost when the fence refuses it."""
     profile = profile or model.default_profile
-    node_ids = {n.name: n.pk for n in Node.objects.filter(name__in=[s.node for s in where.shards])}
+    node_ids = dict(
+        Node.objects.filter(name__in=[s.node for s in where.shards]).values_list("name", "pk")
+    )
     under = "" if profile.pk == model.default_profile_id else f" under profile {profile.name}"
     with leases.fenced(lead):
         replica = Replica.objects.create(model=model, profile=profile, epoch=lead.epoch)
@@ -330,7 +400,9 @@ def create_replica(
             )
             for shard in where.shards
         )
-        ServedModel.objects.filter(pk=model.pk).exclude(placement_note="").update(placement_note="")
+        if model.placement_note:  # only the leader writes notes: the snapshot's is current
+            ServedModel.objects.filter(pk=model.pk).update(placement_note="")
+            model.placement_note = ""
         layout = ", ".join(
             f"rank {s.rank} on {s.node} gpus {list(s.gpu_indices)} port {s.port}"
             for s in where.shards
@@ -356,6 +428,7 @@ def note_unplaceable(lead: Leadership, model: ServedModel, reason: str) -> None:
         )
         if changed:
             _event(lead, Event.Kind.PLACEMENT, f"model/{model.name}", f"cannot place: {reason}")
+    model.placement_note = reason
 
 
 def change_desired(
@@ -488,10 +561,22 @@ class TickResult:
     placed: int = 0
     changed: int = 0
     lost_leadership: bool = False
+    # The budget ran out after this model: the next tick goes on from the one after it.
+    resume_after: int | None = None
 
 
-def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
-    """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick."""
+def tick(
+    lead: Leadership,
+    now: datetime | None = None,
+    *,
+    budget: float | None = None,
+    resume_after: int | None = None,
+) -> TickResult:
+    """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick.
+
+    ``budget`` (seconds) bounds the scaling step: each placement is a transaction of its own,
+    so a wave of hundreds of activations would make one tick last seconds; past the budget
+    the tick stops between two models and the next one goes on after ``resume_after``."""
     now = now or timezone.now()
     with leases.fenced(lead):
         health.refresh_node_health(now)
@@ -501,7 +586,8 @@ def tick(lead: Leadership, now: datetime | None = None) -> TickResult:
     _restart_failed(lead, snapshot, result)
     _release_held_drains(lead, snapshot, result)
     _finish_drains(lead, snapshot, result)
-    _scale_all(lead, snapshot, result)
+    deadline = None if budget is None else time.monotonic() + budget
+    _scale_all(lead, snapshot, result, deadline=deadline, resume_after=resume_after)
     _settle_weight_removals(lead, snapshot, result)
     return result
 
@@ -654,9 +740,27 @@ class ScalingView:
         self.replicas.append(scaling.ReplicaState(use, draining=False))
 
 
-def _scale_all(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None:
+def models_in_turn(models: Iterable[ServedModel], resume_after: int | None) -> list[ServedModel]:
+    """Models by id, starting after ``resume_after`` and wrapping around, so a tick cut short
+    by its budget does not leave the same models waiting tick after tick (pure)."""
+    ordered = sorted(models, key=lambda m: m.pk)
+    if resume_after is None:
+        return ordered
+    return [m for m in ordered if m.pk > resume_after] + [
+        m for m in ordered if m.pk <= resume_after
+    ]
+
+
+def _scale_all(
+    lead: Leadership,
+    snapshot: Snapshot,
+    result: TickResult,
+    *,
+    deadline: float | None = None,
+    resume_after: int | None = None,
+) -> None:
     view = ScalingView.of(snapshot)
-    for model in snapshot.models.values():
+    for model in models_in_turn(snapshot.models.values(), resume_after):
         units = units_of(model)
         # Replicas under a profile the model no longer lists are retired as a unit of their
         # own (nothing wanted), so they drain once idle instead of running on for ever.
@@ -668,6 +772,9 @@ def _scale_all(lead: Leadership, snapshot: Snapshot, result: TickResult) -> None
         ]
         for unit in units:
             _scale(lead, view, unit, snapshot.now, result)
+        if deadline is not None and time.monotonic() >= deadline:
+            result.resume_after = model.pk
+            break
 
 
 def _scale(
@@ -732,6 +839,7 @@ class Reconciler:
 
     def __init__(self) -> None:
         self.leadership: Leadership | None = None
+        self.resume_after: int | None = None
 
     def run_once(self) -> TickResult:
         with _one_tick_at_a_time() as got_it:
@@ -746,7 +854,12 @@ class Reconciler:
                 return TickResult(acted=False, epoch=self.leadership.epoch)
             try:
                 self.leadership = leases.advance_epoch(self.leadership, highest_agent_epoch())
-                result = tick(self.leadership)
+                result = tick(
+                    self.leadership,
+                    budget=settings.LLMGW_RECONCILE_TICK_BUDGET,
+                    resume_after=self.resume_after,
+                )
+                self.resume_after = result.resume_after
                 logger.debug(
                     "tick: leader epoch %s, %s placed, %s changed, %.0f ms",
                     result.epoch,

@@ -8,7 +8,7 @@ after which the entry is dropped again. A model re-added with the same source ca
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from django.db.models.signals import pre_delete
 
@@ -44,7 +44,17 @@ def schedule_removal(model: ServedModel) -> list[str]:
     return names
 
 
-def settled_removals(node: Node, catalog_sources: set[str]) -> list[str]:
+class NodeWeights(Protocol):
+    """What :func:`settled_removals` reads of a node (a row, or the reconciler's view)."""
+
+    @property
+    def weights_report(self) -> Any: ...
+
+    @property
+    def remove_weights(self) -> Any: ...
+
+
+def settled_removals(node: NodeWeights, catalog_sources: set[str]) -> list[str]:
     """What a node's ``remove_weights`` should still hold (pure): not what its agent reported
     removed or absent, and never the weights of a model in the catalog."""
     finished = {

@@ -192,6 +192,21 @@ elif _database["ENGINE"] in {
         "tcp_user_timeout": 10_000,
         **_database.get("OPTIONS", {}),
     }
+    # A web process holds hundreds of agent streams, and Django closes a connection after
+    # each piece of sync work: without a pool every heartbeat written and every stream opened
+    # costs a new server backend (measured at 1,000 nodes: handshakes timed out and nodes
+    # went unreachable). The pool keeps a few connections open and bounds them: at most
+    # LLMGW_DB_POOL_MAX per process (0: no pool, a connection per unit of work).
+    _pool_max = _read(env_int, "LLMGW_DB_POOL_MAX", 4, minimum=0)
+    if _pool_max:
+        _database["OPTIONS"]["pool"] = {
+            "min_size": 0,
+            "max_size": _pool_max,
+            # Waiting for a free connection longer than a connection attempt may take means
+            # the store is down or overloaded: fail the call as a failed connect would.
+            "timeout": float(_database["OPTIONS"]["connect_timeout"]),
+            "max_idle": 60.0,
+        }
 else:
     _errors.append(f"DATABASE_URL uses {_database['ENGINE']}; llmgw supports sqlite and postgres")
 
@@ -272,6 +287,12 @@ LLMGW_LEASE_RENEW_DEADLINE: float = _read(
     env_float, "LLMGW_LEASE_RENEW_DEADLINE", LLMGW_LEASE_TTL * 2 / 3, minimum=0.1
 )
 LLMGW_RECONCILE_INTERVAL: float = _read(env_float, "LLMGW_RECONCILE_INTERVAL", 1.0, minimum=0.1)
+# How long one tick may spend scaling (placing, draining) before it leaves the remaining
+# models to the next tick: a wave of activations is placed over several short ticks, so the
+# leader keeps renewing its lease and noticing failures meanwhile.
+LLMGW_RECONCILE_TICK_BUDGET: float = _read(
+    env_float, "LLMGW_RECONCILE_TICK_BUDGET", LLMGW_RECONCILE_INTERVAL / 2, minimum=0.05
+)
 LLMGW_BACKOFF_BASE: float = _read(env_float, "LLMGW_BACKOFF_BASE", 2.0, minimum=0.1)
 LLMGW_BACKOFF_MAX: float = _read(env_float, "LLMGW_BACKOFF_MAX", 300.0, minimum=0.1)
 LLMGW_UNREACHABLE_AFTER: float = _read(env_float, "LLMGW_UNREACHABLE_AFTER", 15.0, minimum=1.0)

@@ -29,6 +29,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """No connection pool in the test runner itself: pytest-django creates and drops the test
+    database around connections held by threads it does not know (the async ORM's, the
+    streams' store threads), which a pool keeps open. The processes tests start use the pool
+    as a deployment would."""
+    from django.conf import settings
+
+    settings.DATABASES["default"].get("OPTIONS", {}).pop("pool", None)
+
+
 def uses_store(item: pytest.Item) -> bool:
     """The test reaches the store under test: pytest-django's database (its marker or its
     fixtures), or a module-wide one (``store`` marker)."""

@@ -621,14 +621,12 @@ class LeaseOut(Schema):
     epoch: int
     expires_in: float
     held: bool
-    election: bool
 
 
 @fleet_router.get("/lease", response=LeaseOut)
 def get_lease(request: HttpRequest) -> Any:
     """Who leads the control plane now, on the database's clock."""
     view = leases.read()
-    election = leases.election_enabled()
     if view is None:
         return {
             "name": leases.RECONCILER,
@@ -636,7 +634,6 @@ def get_lease(request: HttpRequest) -> Any:
             "epoch": 0,
             "expires_in": 0.0,
             "held": False,
-            "election": election,
         }
     return {
         "name": view.name,
@@ -644,7 +641,6 @@ def get_lease(request: HttpRequest) -> Any:
         "epoch": view.epoch,
         "expires_in": view.expires_in,
         "held": view.held,
-        "election": election,
     }
 
 

@@ -42,7 +42,7 @@ from agents.protocol import (
     encode,
 )
 from control import agent_reports, desired_state, health, node_tokens, nudges
-from control.agent_sessions import AgentSession
+from control.agent_sessions import AgentSession, HeartbeatWriter
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 from control.routing import websocket_urlpatterns
 from tests.harness.clock import FakeClock
@@ -489,24 +489,56 @@ class FakeTransport:
 async def test_the_session_coalesces_heartbeats_into_few_writes(
     fake_clock: FakeClock, settings: Any
 ) -> None:
-    settings.LLMGW_UNREACHABLE_AFTER = 15  # writes at most every 5s
+    settings.LLMGW_UNREACHABLE_AFTER = 15  # marks at most every 5s
     node, _ = await database_sync_to_async(issue_node)("n1")
     identity = node_tokens.NodeIdentity(node.pk, "n1")
     transport = FakeTransport()
-    session = AgentSession(identity, transport, clock=fake_clock)
+    writer = HeartbeatWriter(interval=3600)  # flushed by hand below
+    session = AgentSession(identity, transport, clock=fake_clock, heartbeats=writer)
     await session.receive(encode(hello()))
     first = (await Node.objects.aget(pk=node.pk)).last_heartbeat_at
     for _ in range(50):
         fake_clock.advance(0.05)
         await session.receive(encode(Heartbeat()))
+    assert await writer.flush() == 0
     assert (await Node.objects.aget(pk=node.pk)).last_heartbeat_at == first  # 2.5s: no write
     fake_clock.advance(3)
     await session.receive(encode(Heartbeat()))
+    assert (await Node.objects.aget(pk=node.pk)).last_heartbeat_at == first  # marked, not yet
+    assert await writer.flush() == 1
     second = (await Node.objects.aget(pk=node.pk)).last_heartbeat_at
     assert second is not None and first is not None and second > first
     await session.receive(encode(Status(observed_revision=0, observed_epoch=0)))
+    assert await writer.flush() == 0
     assert (await Node.objects.aget(pk=node.pk)).last_heartbeat_at == second
     assert transport.closed is None
+
+
+@committed
+async def test_one_write_brings_the_heartbeats_of_many_streams(
+    fake_clock: FakeClock, settings: Any
+) -> None:
+    settings.LLMGW_UNREACHABLE_AFTER = 15
+    writer = HeartbeatWriter(interval=3600)
+    sessions = []
+    for name in ("n1", "n2", "n3"):
+        node, _ = await database_sync_to_async(issue_node)(name)
+        await Node.objects.filter(pk=node.pk).aupdate(health=Node.Health.UNREACHABLE)
+        identity = node_tokens.NodeIdentity(node.pk, name)
+        session = AgentSession(identity, FakeTransport(), clock=fake_clock, heartbeats=writer)
+        await session.receive(encode(hello(name)))
+        sessions.append(session)
+    # hello made them ready; two of them go quiet past the threshold, then all beat again
+    await Node.objects.filter(name__in=["n1", "n2"]).aupdate(health=Node.Health.UNREACHABLE)
+    fake_clock.advance(6)
+    for session in sessions:
+        await session.receive(encode(Heartbeat()))
+    assert await writer.flush() == 3
+    assert writer.writes == 1
+    healths = {n.name: n.health async for n in Node.objects.all()}
+    assert healths == {"n1": "ready", "n2": "ready", "n3": "ready"}
+    back = [e.subject async for e in Event.objects.filter(message="node ready: heartbeats back")]
+    assert sorted(back) == ["node/n1", "node/n2"]
 
 
 @committed

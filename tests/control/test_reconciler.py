@@ -63,6 +63,35 @@ def test_minimum_replicas_are_placed_on_distinct_gpus_and_a_second_tick_changes_
     assert Node.objects.get(pk=node.pk).desired_revision == revision
 
 
+def test_a_tick_past_its_budget_leaves_the_next_models_to_the_next_tick(
+    lead: leases.Leadership,
+) -> None:
+    make_node("a", gpus=gib(80, 80, 80, 80))
+    models = [make_model(f"m{i}", min_replicas=1) for i in range(3)]
+    now = timezone.now()
+    Node.objects.update(last_heartbeat_at=now)
+    # No time at all: each tick scales one model, then says where the next one goes on.
+    first = reconciler.tick(lead, now, budget=0.0)
+    assert first.placed == 1 and first.resume_after == models[0].pk
+    second = reconciler.tick(lead, now, budget=0.0, resume_after=first.resume_after)
+    assert second.placed == 1 and second.resume_after == models[1].pk
+    third = reconciler.tick(lead, now, budget=0.0, resume_after=second.resume_after)
+    assert third.placed == 1 and third.resume_after == models[2].pk
+    assert all(len(running(m)) == 1 for m in models)
+    # A generous budget goes round every model and leaves nothing over.
+    last = reconciler.tick(lead, now, budget=60.0, resume_after=third.resume_after)
+    assert (last.placed, last.resume_after) == (0, None)
+
+
+def test_models_take_turns_after_the_one_a_tick_stopped_at() -> None:
+    models = [ServedModel(pk=pk, name=f"m{pk}") for pk in (5, 1, 3, 9)]
+    turn = reconciler.models_in_turn
+    assert [m.pk for m in turn(models, None)] == [1, 3, 5, 9]
+    assert [m.pk for m in turn(models, 3)] == [5, 9, 1, 3]
+    assert [m.pk for m in turn(models, 9)] == [1, 3, 5, 9]
+    assert [m.pk for m in turn(models, 4)] == [5, 9, 1, 3]
+
+
 def test_a_cold_model_gets_a_replica_only_when_a_request_waits(lead: leases.Leadership) -> None:
     make_node("a", gpus=gib(80))
     model = make_model("cold")

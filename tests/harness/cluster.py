@@ -599,6 +599,37 @@ def heartbeat_after(name: str, moment: Any) -> bool:
     return Node.objects.filter(name=name, last_heartbeat_at__gt=moment).exists()
 
 
+def store_violations() -> list[str]:
+    """The two promises as the store shows them: no GPU or port of a node given to two shards
+    that may run, no model with more running replicas than its maximum."""
+    violations = []
+    holders: dict[tuple[int, int], list[int]] = defaultdict(list)
+    ports: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for shard_id, node_id, gpus, port, desired, observed in Shard.objects.values_list(
+        "pk", "node_id", "gpu_indices", "port", "replica__desired", "observed"
+    ):
+        if desired == Replica.Desired.STOPPED and observed not in LIVE:
+            continue
+        for gpu in gpus:
+            holders[(node_id, int(gpu))].append(shard_id)
+        ports[(node_id, port)].append(shard_id)
+    for (node_id, gpu), shards in holders.items():
+        if len(shards) > 1:
+            violations.append(f"store: node {node_id} gpu {gpu} given to shards {shards}")
+    for (node_id, port), shards in ports.items():
+        if len(shards) > 1:
+            violations.append(f"store: node {node_id} port {port} given to {shards}")
+    running = Counter(
+        Replica.objects.filter(desired=Replica.Desired.RUNNING).values_list(
+            "model__name", flat=True
+        )
+    )
+    for name, most in ServedModel.objects.values_list("name", "max_replicas"):
+        if running[name] > most:
+            violations.append(f"store: model {name} has {running[name]} > {most}")
+    return violations
+
+
 class InvariantChecker(Watcher):
     """Reads the store and the live engines every ``interval`` seconds from its own thread
     and keeps every violation it sees."""
@@ -625,30 +656,7 @@ class InvariantChecker(Watcher):
 
     def check_once(self) -> None:
         self.checks += 1
-        holders: dict[tuple[int, int], list[int]] = defaultdict(list)
-        ports: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for shard_id, node_id, gpus, port, desired, observed in Shard.objects.values_list(
-            "pk", "node_id", "gpu_indices", "port", "replica__desired", "observed"
-        ):
-            if desired == Replica.Desired.STOPPED and observed not in LIVE:
-                continue
-            for gpu in gpus:
-                holders[(node_id, int(gpu))].append(shard_id)
-            ports[(node_id, port)].append(shard_id)
-        for (node_id, gpu), shards in holders.items():
-            if len(shards) > 1:
-                self.violations.append(f"store: node {node_id} gpu {gpu} given to shards {shards}")
-        for (node_id, port), shards in ports.items():
-            if len(shards) > 1:
-                self.violations.append(f"store: node {node_id} port {port} given to {shards}")
-        running = Counter(
-            Replica.objects.filter(desired=Replica.Desired.RUNNING).values_list(
-                "model__name", flat=True
-            )
-        )
-        for name, most in ServedModel.objects.values_list("name", "max_replicas"):
-            if running[name] > most:
-                self.violations.append(f"store: model {name} has {running[name]} > {most}")
+        self.violations += store_violations()
 
         in_use: dict[tuple[str, str], list[int]] = defaultdict(list)
         for pid, env in engine_processes():
