@@ -13,7 +13,8 @@ stock handler and middleware (what ``gateway.asgi.V1App`` saves), and the server
 side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian, and L2 on daphne
 (what ran the web processes before). Every uvicorn target is the web process ``manage.py run``
 starts (the launcher's command line); granian and daphne get their own stock command lines.
-Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0. Then the
+Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0 (not with
+BENCH_PIN=0). Then the
 control plane's figures (``bench/control.py``): cold start and failover. The table is printed
 and written as JSON to ``$BENCH_JSON`` (default ``var/bench.json``).
 
@@ -107,8 +108,14 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
+# BENCH_PIN=0 leaves every process free to run on any core: on a machine others load, a
+# pinned process waits for its one core, and a server that sleeps between requests pays that
+# wake-up where one that spins does not (so the pinned latencies favour spinning servers).
+PINNING = os.environ.get("BENCH_PIN", "1") != "0"
+
+
 def pin(proc: Proc, cpu: int) -> Proc:
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > cpu:
+    if PINNING and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > cpu:
         for pid in process_tree(proc.pid):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(pid, {cpu})
@@ -222,7 +229,8 @@ def setup() -> Stack:
         stack.procs.append(pin(proc, cpu=1))
         stack.targets[name] = Target(name, proc.url, proc, LITELLM_KEY if name == "litellm" else "")
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(0, {0})
+        if PINNING:
+            os.sched_setaffinity(0, {0})
     return stack
 
 
@@ -463,7 +471,7 @@ def run(quick: bool) -> dict[str, Any]:
     try:
         loop = asyncio.new_event_loop()
         step: Callable[[Awaitable[Any]], Any] = loop.run_until_complete
-        report: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count()}
+        report: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count(), "pinned": PINNING}
         report["litellm_skipped"] = stack.skipped.get("litellm", "")
         report["latency"] = step(latency_rounds(stack, 3 if quick else 7, 200 if quick else 400))
         report["streaming"] = step(stream_rounds(stack, 3 if quick else 5, 10 if quick else 20))
