@@ -14,9 +14,9 @@ side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian, and L2 
 (what ran the web processes before). Every uvicorn target is the web process ``manage.py run``
 starts (the launcher's command line); granian and daphne get their own stock command lines.
 Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0 (not with
-BENCH_PIN=0). Then the
-control plane's figures (``bench/control.py``): cold start and failover. The table is printed
-and written as JSON to ``$BENCH_JSON`` (default ``var/bench.json``).
+``BENCH_PIN=0``). Then the control plane's figures (``bench/control.py``): cold start and
+failover. The table is printed and written as JSON to ``$BENCH_JSON`` (default
+``var/bench.json``).
 
     python -m bench [--quick]
 """
