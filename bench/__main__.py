@@ -167,29 +167,10 @@ def daphne(name: str, app: str, env: dict[str, str]) -> Proc:
     return Proc(name, argv, WORK, env, port=port).start().wait_answering()
 
 
-def setup() -> Stack:
-    """A fresh SQLite store, one key and one model, the engine and the four gateways."""
-    shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True)
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"sqlite:///{WORK / 'bench.sqlite3'}",
-        SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
-        LLMGW_VAR_DIR=str(WORK),
-        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
-        LLMGW_LOG_LEVEL="WARNING",
-    )
-    os.environ.update(env)
-    import django
+def start_targets(stack: Stack, env: dict[str, str]) -> None:
+    """The engine (L0) and every gateway in front of it, each kept in ``stack`` as it starts."""
+    from tests.harness.factories import serve_model  # after django.setup()
 
-    django.setup()
-    from django.core.management import call_command
-
-    from tests.harness.factories import make_key, serve_model
-
-    call_command("migrate", verbosity=0)
-    key, _ = make_key("bench")
-    stack = Stack(key, {})
     port = free_port()
     argv = [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", MODEL]
     sim = Proc("sim", argv, WORK, env, port=port).start()
@@ -210,24 +191,56 @@ def setup() -> Stack:
         stack.procs.append(pin(web, cpu=1))
         stack.targets[name] = Target(name, web.url, web)
     relay_env = {**env, "BENCH_UPSTREAM": sim.url}
-    others = {"L2-daphne": daphne("L2-daphne", "llmgw_site.asgi:application", env)}
+
+    def keep(name: str, proc: Proc, key: str = "") -> None:
+        stack.procs.append(pin(proc, cpu=1))
+        stack.targets[name] = Target(name, proc.url, proc, key)
+
+    keep("L2-daphne", daphne("L2-daphne", "llmgw_site.asgi:application", env))
     if Path(sys.executable).with_name("granian").exists():
-        others["L1-granian"] = granian("L1-granian", "bench.relay:app", relay_env)
-        others["L2-granian"] = granian("L2-granian", "llmgw_site.asgi:application", env)
-        others["hello-granian"] = granian("hello-granian", "bench.hello:app", env)
+        keep("L1-granian", granian("L1-granian", "bench.relay:app", relay_env))
+        keep("L2-granian", granian("L2-granian", "llmgw_site.asgi:application", env))
+        keep("hello-granian", granian("hello-granian", "bench.hello:app", env))
     else:
         print("granian is not installed (requirements-dev.txt): its rows are skipped")
-    others["hello-uvicorn"] = web_process("hello-uvicorn", WORK, env, app="bench.hello:app")
+    keep("hello-uvicorn", web_process("hello-uvicorn", WORK, env, app="bench.hello:app"))
     litellm_bin = os.environ.get("LITELLM_BIN")
     if litellm_bin:
-        others["litellm"] = litellm(litellm_bin, sim.url, env)
+        keep("litellm", litellm(litellm_bin, sim.url, env), LITELLM_KEY)
     else:
         stack.skipped["litellm"] = (
             "skipped: set LITELLM_BIN to a litellm[proxy] install's `litellm`"
         )
-    for name, proc in others.items():
-        stack.procs.append(pin(proc, cpu=1))
-        stack.targets[name] = Target(name, proc.url, proc, LITELLM_KEY if name == "litellm" else "")
+
+
+def setup() -> Stack:
+    """A fresh SQLite store, one key and one model, the engine and the four gateways."""
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=f"sqlite:///{WORK / 'bench.sqlite3'}",
+        SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
+        LLMGW_VAR_DIR=str(WORK),
+        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
+        LLMGW_LOG_LEVEL="WARNING",
+    )
+    os.environ.update(env)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from tests.harness.factories import make_key
+
+    call_command("migrate", verbosity=0)
+    key, _ = make_key("bench")
+    stack = Stack(key, {})
+    try:
+        start_targets(stack, env)
+    except BaseException:
+        stack.stop()  # a target that failed to start must not leave the others running
+        raise
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         if PINNING:
             os.sched_setaffinity(0, {0})
