@@ -13,9 +13,10 @@ stock handler and middleware (what ``gateway.asgi.V1App`` saves), and the server
 side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian, and L2 on daphne
 (what ran the web processes before). Every uvicorn target is the web process ``manage.py run``
 starts (the launcher's command line); granian and daphne get their own stock command lines.
-Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0. Then the
-control plane's figures (``bench/control.py``): cold start and failover. The table is printed
-and written as JSON to ``$BENCH_JSON`` (default ``var/bench.json``).
+Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0 (not with
+``BENCH_PIN=0``). Then the control plane's figures (``bench/control.py``): cold start and
+failover. The table is printed and written as JSON to ``$BENCH_JSON`` (default
+``var/bench.json``).
 
     python -m bench [--quick]
 """
@@ -107,8 +108,14 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
+# BENCH_PIN=0 leaves every process free to run on any core: on a machine others load, a
+# pinned process waits for its one core, and a server that sleeps between requests pays that
+# wake-up where one that spins does not (so the pinned latencies favour spinning servers).
+PINNING = os.environ.get("BENCH_PIN", "1") != "0"
+
+
 def pin(proc: Proc, cpu: int) -> Proc:
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > cpu:
+    if PINNING and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > cpu:
         for pid in process_tree(proc.pid):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(pid, {cpu})
@@ -160,29 +167,10 @@ def daphne(name: str, app: str, env: dict[str, str]) -> Proc:
     return Proc(name, argv, WORK, env, port=port).start().wait_answering()
 
 
-def setup() -> Stack:
-    """A fresh SQLite store, one key and one model, the engine and the four gateways."""
-    shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True)
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"sqlite:///{WORK / 'bench.sqlite3'}",
-        SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
-        LLMGW_VAR_DIR=str(WORK),
-        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
-        LLMGW_LOG_LEVEL="WARNING",
-    )
-    os.environ.update(env)
-    import django
+def start_targets(stack: Stack, env: dict[str, str]) -> None:
+    """The engine (L0) and every gateway in front of it, each kept in ``stack`` as it starts."""
+    from tests.harness.factories import serve_model  # after django.setup()
 
-    django.setup()
-    from django.core.management import call_command
-
-    from tests.harness.factories import make_key, serve_model
-
-    call_command("migrate", verbosity=0)
-    key, _ = make_key("bench")
-    stack = Stack(key, {})
     port = free_port()
     argv = [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", MODEL]
     sim = Proc("sim", argv, WORK, env, port=port).start()
@@ -203,26 +191,59 @@ def setup() -> Stack:
         stack.procs.append(pin(web, cpu=1))
         stack.targets[name] = Target(name, web.url, web)
     relay_env = {**env, "BENCH_UPSTREAM": sim.url}
-    others = {"L2-daphne": daphne("L2-daphne", "llmgw_site.asgi:application", env)}
+
+    def keep(name: str, proc: Proc, key: str = "") -> None:
+        stack.procs.append(pin(proc, cpu=1))
+        stack.targets[name] = Target(name, proc.url, proc, key)
+
+    keep("L2-daphne", daphne("L2-daphne", "llmgw_site.asgi:application", env))
     if Path(sys.executable).with_name("granian").exists():
-        others["L1-granian"] = granian("L1-granian", "bench.relay:app", relay_env)
-        others["L2-granian"] = granian("L2-granian", "llmgw_site.asgi:application", env)
-        others["hello-granian"] = granian("hello-granian", "bench.hello:app", env)
+        keep("L1-granian", granian("L1-granian", "bench.relay:app", relay_env))
+        keep("L2-granian", granian("L2-granian", "llmgw_site.asgi:application", env))
+        keep("hello-granian", granian("hello-granian", "bench.hello:app", env))
     else:
         print("granian is not installed (requirements-dev.txt): its rows are skipped")
-    others["hello-uvicorn"] = web_process("hello-uvicorn", WORK, env, app="bench.hello:app")
+    keep("hello-uvicorn", web_process("hello-uvicorn", WORK, env, app="bench.hello:app"))
     litellm_bin = os.environ.get("LITELLM_BIN")
     if litellm_bin:
-        others["litellm"] = litellm(litellm_bin, sim.url, env)
+        keep("litellm", litellm(litellm_bin, sim.url, env), LITELLM_KEY)
     else:
         stack.skipped["litellm"] = (
             "skipped: set LITELLM_BIN to a litellm[proxy] install's `litellm`"
         )
-    for name, proc in others.items():
-        stack.procs.append(pin(proc, cpu=1))
-        stack.targets[name] = Target(name, proc.url, proc, LITELLM_KEY if name == "litellm" else "")
+
+
+def setup() -> Stack:
+    """A fresh SQLite store, one key and one model, the engine and the four gateways."""
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=f"sqlite:///{WORK / 'bench.sqlite3'}",
+        SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
+        LLMGW_VAR_DIR=str(WORK),
+        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
+        LLMGW_LOG_LEVEL="WARNING",
+    )
+    os.environ.update(env)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    from tests.harness.factories import make_key
+
+    call_command("migrate", verbosity=0)
+    key, _ = make_key("bench")
+    stack = Stack(key, {})
+    try:
+        start_targets(stack, env)
+    except BaseException:
+        stack.stop()  # a target that failed to start must not leave the others running
+        raise
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(0, {0})
+        if PINNING:
+            os.sched_setaffinity(0, {0})
     return stack
 
 
@@ -463,7 +484,7 @@ def run(quick: bool) -> dict[str, Any]:
     try:
         loop = asyncio.new_event_loop()
         step: Callable[[Awaitable[Any]], Any] = loop.run_until_complete
-        report: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count()}
+        report: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count(), "pinned": PINNING}
         report["litellm_skipped"] = stack.skipped.get("litellm", "")
         report["latency"] = step(latency_rounds(stack, 3 if quick else 7, 200 if quick else 400))
         report["streaming"] = step(stream_rounds(stack, 3 if quick else 5, 10 if quick else 20))

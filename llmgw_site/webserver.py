@@ -1,10 +1,12 @@
 """One web process: uvicorn (uvloop + httptools, WebSockets for the agents' streams) on the
 listening sockets ``manage.py run`` binds and hands down.
 
-Chosen by measurement (``make bench``, the server rows): on this stack uvicorn with uvloop
-and httptools relays ``/v1`` at the lowest CPU per request and the highest knee of the
-servers we can run, and it serves Channels' WebSocket consumers as well, so one kind of
-process carries every listener. Several of them accept on one shared socket (not
+Chosen by measurement (``make bench``, the server rows): uvicorn with uvloop and httptools
+spends the least CPU per request of the servers measured side by side, for a hello world,
+the floor relay and llmgw alike (about half of granian's for the first two, a little less
+for llmgw, and half of daphne's), and CPU per request is what bounds a web process's
+throughput. It serves Channels' WebSocket consumers as well, so one kind of process carries
+every listener. Several of them accept on one shared socket (not
 ``SO_REUSEPORT``): a connection waiting in the backlog is taken by whichever process is
 accepting, so a process that stops accepting loses none.
 
