@@ -13,13 +13,16 @@ would need a thread each anyway.
 
 # No `from __future__ import annotations`: ninja reads the route signatures at import time.
 
+import functools
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal
 
 import yaml
 from django.contrib.auth.models import Group, User
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import DataError, transaction
 from django.db.models import Count, F, ProtectedError, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce
 from django.http import Http404, HttpRequest, HttpResponse
@@ -27,7 +30,7 @@ from django.shortcuts import get_object_or_404
 from ninja import Field, NinjaAPI, Query, Router, Schema, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.pagination import LimitOffsetPagination, paginate
-from pydantic import ConfigDict
+from pydantic import ConfigDict, field_validator
 
 from control import leases, node_tokens, operations
 from control.models import Event, Node, Profile, Replica, ServedModel
@@ -57,7 +60,59 @@ def caller(request: HttpRequest) -> Caller:
     return who
 
 
-api = NinjaAPI(
+class ErrorDetail(Schema):
+    code: str
+    message: str
+    field: str | None
+
+
+class FieldError(Schema):
+    field: str
+    message: str
+
+
+class ErrorOut(Schema):
+    error: ErrorDetail
+    errors: list[FieldError] | None = None
+
+
+# Every route may answer these (authentication, power, lockout, input); the document says so,
+# so that a client generated from it knows the error shape.
+ERRORS = {
+    "401": "no admin token or staff session, or a wrong one",
+    "403": "a read-only token or account writing, or a signed-in write without CSRF",
+    "404": "no such row",
+    "409": "the name is taken, or the row is in use",
+    "422": "a value is wrong; `field` names it",
+    "429": "too many failed sign-ins from this address or for this token",
+}
+
+
+class AdminNinjaAPI(NinjaAPI):
+    def get_openapi_operation_id(self, operation: Any) -> str:
+        # "drain_node", not "llmgw_site_admin_api_api_drain_node": what generated clients call.
+        return str(operation.view_func.__name__)
+
+    def get_openapi_schema(self, *args: Any, **kwargs: Any) -> Any:
+        schema = super().get_openapi_schema(*args, **kwargs)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        body = ErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components["ErrorOut"] = body
+        content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}
+        for path in schema["paths"].values():
+            for operation in path.values():
+                responses = operation.setdefault("responses", {})
+                for status, description in ERRORS.items():
+                    responses.setdefault(status, {"description": description, "content": content})
+                if operation.get("operationId") == "put_catalog":
+                    responses.setdefault(
+                        "400", {"description": "not a JSON or YAML document", "content": content}
+                    )
+        return schema
+
+
+api = AdminNinjaAPI(
     title="llmgw admin API",
     version="1",
     description="Operate llmgw from programs: the catalog, nodes, replicas, users, teams, "
@@ -66,6 +121,27 @@ api = NinjaAPI(
     urls_namespace="admin_api",
     auth=AdminAuth(),
 )
+
+
+def one_transaction(view: Callable[..., Any]) -> Callable[..., Any]:
+    """Each route in one transaction: a change is all or nothing, and a value the store
+    refuses (a NUL character, a time zone PostgreSQL does not know, a number past its
+    integers) is the caller's 422, not a half-done request or a 500."""
+
+    @functools.wraps(view)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with transaction.atomic():
+                return view(*args, **kwargs)
+        except (DataError, OverflowError) as exc:
+            raise ApiError(
+                422, "invalid", f"a value the store cannot hold: {str(exc).splitlines()[0]}"
+            ) from None
+
+    return wrapper
+
+
+api.add_decorator(one_transaction)
 
 
 def _error(request: HttpRequest, status: int, code: str, message: str, field: str = "") -> Any:
@@ -136,17 +212,42 @@ def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
     return _error(request, 404, "not_found", str(exc) or "not found")  # type: ignore[no-any-return]
 
 
+MAX_OFFSET = 2**31 - 1  # past any table here; larger numbers overflow the stores' integers
+
+
 class Page(LimitOffsetPagination):
     """``?limit=`` (at most 500, default 100) and ``?offset=``; answers ``items`` and ``count``."""
+
+    class Input(Schema):
+        limit: int = Field(100, ge=1, le=MAX_PAGE)
+        offset: int = Field(0, ge=0, le=MAX_OFFSET)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(max_limit=MAX_PAGE, **kwargs)
 
 
 class Strict(Schema):
-    """Inputs refuse fields they do not know, so a typo is an error, not a silent no-op."""
+    """Inputs refuse fields they do not know, so a typo is an error, not a silent no-op, and
+    text with NUL characters (which PostgreSQL cannot store, and no name needs)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        if _has_nul(value):
+            raise ValueError("must not contain NUL characters")
+        return value
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return False
 
 
 class Changed(Schema):

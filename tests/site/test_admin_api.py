@@ -476,3 +476,42 @@ def test_a_malformed_json_body_is_a_json_error(api: Api) -> None:
 def test_a_password_is_never_accepted_by_the_api(api: Api) -> None:
     status, body = api.call("POST", "/users", {"username": "x", "password": PASSWORD})
     assert status == 422 and body["error"]["field"] == "password"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/replicas/99999999999999999999999",
+        "/keys/99999999999999999999999",
+        "/nodes?offset=99999999999999999999999",
+        "/events?since=not-a-date",
+    ],
+)
+def test_numbers_past_the_stores_integers_are_refused_not_crashed(api: Api, path: str) -> None:
+    status, body = api.call("GET", path)
+    assert status in {404, 422}, body
+    assert body["error"]["code"] in {"not_found", "invalid"}
+
+
+@pytest.mark.parametrize(
+    "path", ["/replicas/99999999999999999999999/restart", "/keys/99999999999999999999999/revoke"]
+)
+def test_writes_to_huge_ids_are_refused_not_crashed(api: Api, path: str) -> None:
+    status, body = api.call("POST", path)
+    assert status in {404, 422}, body
+
+
+def test_text_with_nul_characters_is_refused_naming_the_field(api: Api) -> None:
+    status, body = api.call("POST", "/teams", {"name": "re\x00search"})
+    assert status == 422 and body["error"]["field"] == "name"
+    status, body = api.call("POST", "/profiles", {"name": "p", "env": {"A": "x\x00"}})
+    assert status == 422 and body["error"]["field"] == "env"
+    assert not Group.objects.exists() and not Profile.objects.exists()
+
+
+def test_values_the_store_cannot_hold_are_a_422_not_a_500(api: Api) -> None:
+    status, body = api.call(
+        "GET", "/events", subject="node/\x00", since="0251-02-22T14:33:11-22:26"
+    )
+    assert status in {200, 422}, body  # SQLite holds both; PostgreSQL refuses them
+    assert api.call("GET", "/events")[0] == 200  # and the next request is served

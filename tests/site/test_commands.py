@@ -36,6 +36,12 @@ OURS = [
     "export_catalog",
     "import_catalog",
     "usage_report",
+    "restart_replica",
+    "scale_model",
+    "pin_model",
+    "delete_model",
+    "create_admin_token",
+    "revoke_admin_token",
 ]
 
 
