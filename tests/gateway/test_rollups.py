@@ -76,6 +76,12 @@ def test_readers_add_the_rollups_and_the_recent_raw_rows(history: tuple[Any, Any
     assert by_model["b"].errors == raw_totals(model="b").errors
     by_key = {r.group for r in reports.summary_rows(reports.UsageFilter(), "key")}
     assert by_key == {first.prefix, second.prefix}
+    by_day = {r.group: r.requests for r in reports.summary_rows(reports.UsageFilter(), "day")}
+    raw_days: dict[str, int] = {}
+    for row in UsageRecord.objects.all():
+        day = row.started_at.astimezone(UTC).date().isoformat()
+        raw_days[day] = raw_days.get(day, 0) + 1
+    assert by_day == raw_days
 
 
 def test_a_row_that_arrives_late_for_a_recent_hour_is_counted(history: tuple[Any, Any]) -> None:
