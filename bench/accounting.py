@@ -110,7 +110,7 @@ async def measure(
                     samples = [await one(session, web.url, key, body) for _ in range(per_round)]
                     cpu[name] += cpu_seconds(web) - before
                     p50s[name].append(statistics.median(samples))
-            result = {
+            result: dict[str, Any] = {
                 name: {
                     "p50_us": statistics.median(p50s[name]) * 1e6,
                     "cpu_us_per_request": cpu[name] / (rounds * per_round) * 1e6,

@@ -82,6 +82,8 @@ def load(rows: int) -> dict[str, float]:
 
 
 def roll_up_all() -> dict[str, float]:
+    from django.utils import timezone
+
     from gateway import rollups
 
     started = time.perf_counter()
@@ -89,9 +91,7 @@ def roll_up_all() -> dict[str, float]:
     while True:
         run = rollups.roll_up()
         runs += 1
-        if run.rolled_through is None or run.rolled_through >= rollups.hour_of(
-            rollups.timezone.now()
-        ):
+        if run.rolled_through is None or run.rolled_through >= rollups.hour_of(timezone.now()):
             break
     from django.db import connection
 

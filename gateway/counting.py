@@ -74,9 +74,9 @@ def prompt_of(kind: str, data: dict[str, Any]) -> Prompt:
     """The prompt of a request body (pure): chat messages, completions prompts, Responses
     input and instructions, embeddings input, a rerank query with its documents."""
     if kind == "chat":
-        messages = data.get("messages")
-        if isinstance(messages, list):
-            return Prompt(messages=[m for m in messages if isinstance(m, dict)])
+        sent = data.get("messages")
+        if isinstance(sent, list):
+            return Prompt(messages=[m for m in sent if isinstance(m, dict)])
     if kind == "responses":
         messages: list[dict[str, Any]] = []
         if isinstance(data.get("instructions"), str):
@@ -338,7 +338,7 @@ def usage_chunk(head: dict[str, Any], tokens: payload.Tokens, kind: str) -> byte
     }
     if tokens.cached:
         usage["prompt_tokens_details"] = {"cached_tokens": tokens.cached}
-    chunk = {
+    chunk: dict[str, Any] = {
         "id": head.get("id") or "",
         "object": head.get("object")
         or ("chat.completion.chunk" if kind == "chat" else "text_completion"),
