@@ -22,7 +22,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -170,8 +170,7 @@ class Exchange:
         status: int,
         reason: str,
         upstream: routing.Upstream,
-        completions: list[str],
-        relayed_events: int | None,
+        relayed: Callable[[], tuple[list[str], int | None]],
     ) -> None:
         """Close a request its engine reported no usage for: counted in the background (the
         engine's tokenizer, or an estimate), then recorded. Nothing else may finish it."""
@@ -180,7 +179,7 @@ class Exchange:
         self.being_counted = True
         self.drop_hold()
         task = asyncio.get_running_loop().create_task(
-            self._count_then_finish(status, reason, upstream, completions, relayed_events)
+            self._count_then_finish(status, reason, upstream, relayed)
         )
         _counting.add(task)
         task.add_done_callback(_counting.discard)
@@ -190,10 +189,13 @@ class Exchange:
         status: int,
         reason: str,
         upstream: routing.Upstream,
-        completions: list[str],
-        relayed_events: int | None,
+        relayed: Callable[[], tuple[list[str], int | None]],
     ) -> None:
+        completions: list[str] = []
+        relayed_events: int | None = None
         try:
+            # What was relayed is parsed here, after the answer has gone, not on its way out.
+            completions, relayed_events = relayed()
             counted = await self.count(upstream, completions, relayed_events)
         except Exception:
             logger.exception("request %s: counting failed", self.request_id)
@@ -578,7 +580,9 @@ async def _relay_body(ex: Exchange, opened: Opened) -> Response:
     status = response.status
     tokens, reason = payload.usage_of_body(body) if status == 200 else (None, "")
     if status == 200 and tokens is None:
-        ex.finish_uncounted(status, reason, opened.upstream, counting.body_texts(body), None)
+        ex.finish_uncounted(
+            status, reason, opened.upstream, lambda: (counting.body_texts(body), None)
+        )
     else:
         ex.finish(status, reason if status == 200 else Reason.UPSTREAM_ERROR, tokens)
     return responses.whole(
@@ -677,6 +681,11 @@ def _finish_stream(ex: Exchange, opened: Opened, sse: payload.SseFilter, reason:
     if sse.tokens is not None:
         ex.finish(200, reason, sse.tokens)
         return
-    relayed = counting.Relayed(sse.blocks)
-    completions, _ = relayed.parsed()
-    ex.finish_uncounted(200, reason, opened.upstream, completions, relayed.content_events)
+    blocks = sse.blocks
+
+    def relayed() -> tuple[list[str], int | None]:
+        kept = counting.Relayed(blocks)
+        completions, _ = kept.parsed()
+        return completions, kept.content_events
+
+    ex.finish_uncounted(200, reason, opened.upstream, relayed)
