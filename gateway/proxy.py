@@ -299,7 +299,8 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
         body.max_tokens,
         body.n,
         generates=ex.api_route.tag == "generation",
-        context_length=route.context_length,
+        context_length=route.context_length
+        or counting.context_length([u.base_url for u in route.upstreams], route.name),
     )
     ex.reservation = await limits.reserve(ex.key, plan.tokens)
     if plan.output_cap is not None and ex.reservation.token_counters():
@@ -561,6 +562,8 @@ async def _attempt(
             response.close()
         raise
     ex.first_byte()
+    if ex.route is not None and ex.route.context_length is None:
+        counting.learn_context_length(pool(), upstream.base_url, ex.route.name)
     return Opened(upstream, response, first, complete)
 
 
