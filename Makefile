@@ -9,9 +9,9 @@ RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
-typecheck migrations-check pytest-sqlite pytest-postgres bench bench-fleet: export SECRET_KEY = llmgw-checks-only-not-a-secret
+typecheck migrations-check pytest-sqlite pytest-postgres bench bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
 
-.PHONY: proto run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench bench-fleet clean
+.PHONY: proto run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench bench-fleet bench-accounting bench-usage clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,15 @@ bench: $(RUN_STAMP)
 # It reuses the cluster tests' harness (the invariant checker, task events): the test tools.
 bench-fleet: $(TEST_STAMP)
 	$(PY) -m bench.fleet $(BENCH_FLEET_ARGS)
+
+# What usage accounting costs per request (on vs off), alone and quickly.
+bench-accounting: $(RUN_STAMP)
+	$(PY) -m bench.accounting
+
+# Usage at volume: 10 million rows in PostgreSQL (BENCH_POSTGRES_URL, a database it may drop and
+# create), then the dashboard JSON, /account/ and a budget check, timed.
+bench-usage: $(RUN_STAMP)
+	$(PY) -m bench.usage_volume
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*

@@ -288,3 +288,14 @@ def record_gateway_event(subject: str, message: str, data: dict[str, Any]) -> No
     Event.objects.create(
         kind=Event.Kind.LIFECYCLE, subject=subject[:200], message=message, data=data
     )
+
+
+def this_process_leads() -> bool:
+    """Whether this process holds the reconciler's lease now (confirmed within its renew
+    deadline): the gate for the gateway's periodic jobs (usage rollups), which run in the
+    worker beside the ticks and must run on one control plane only."""
+    # Imported here: web processes import this module but never run the reconciler.
+    from control.reconciler import process_reconciler  # noqa: PLC0415
+
+    lead = process_reconciler().leadership
+    return lead is not None and lead.may_act()

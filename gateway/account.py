@@ -8,6 +8,7 @@ in the response to the form that made it, and stored nowhere but as a hash.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 from django import forms
@@ -21,7 +22,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from gateway import keys, people, reports
+from gateway import keys, people, reports, rollups
 from gateway.models import ApiKey, UsageRecord
 
 LOGIN_URL = "/account/login/"
@@ -67,8 +68,9 @@ def _own_keys(request: HttpRequest) -> QuerySet[ApiKey]:
 @login_required(login_url=LOGIN_URL)
 def overview(request: HttpRequest) -> HttpResponse:
     """Keys, and usage as a chart (per day) and a table (latest requests)."""
-    own_usage = reports.usage(reports.UsageFilter(user_id=_user_id(request)))
-    days = reports.daily(own_usage, CHART_DAYS)
+    own = reports.UsageFilter(user_id=_user_id(request))
+    own_usage = reports.usage(own)
+    days = reports.daily_rows(own, CHART_DAYS)
     chart = {
         "labels": [d.group[5:] for d in days],  # MM-DD
         "tokens": [d.total_tokens for d in days],
@@ -80,8 +82,8 @@ def overview(request: HttpRequest) -> HttpResponse:
         "keys": _own_keys(request).order_by("revoked_at", "-created_at"),
         "form": NewKeyForm(),
         "recent": own_usage.select_related("api_key").order_by("-started_at")[:RECENT_ROWS],
-        "by_model": reports.summarize(
-            own_usage.filter(started_at__gte=timezone.now() - timedelta(days=CHART_DAYS)),
+        "by_model": reports.summary_rows(
+            replace(own, since=rollups.hour_of(timezone.now() - timedelta(days=CHART_DAYS))),
             "model",
         ),
         "chart": chart,

@@ -10,17 +10,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db.models import Count, Sum
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security.http import HttpBearer
 
-from gateway import dbthread, keys, limits, proxy, schemas
+from gateway import dbthread, keys, limits, proxy, rollups, schemas
 from gateway.errors import ApiError, error_response, invalid_key
 from gateway.keys import KeyInfo
-from gateway.models import UsageRecord
 from gateway.responses import Response
 from gateway.routes import RELAY_ROUTES, RelayRoute
 from gateway.upstreams import upstreams
@@ -191,21 +189,18 @@ for _route in RELAY_ROUTES:
 def _usage_summary(key: KeyInfo) -> dict[str, Any]:
     dbthread.ready()
     start, _ = limits.period_bounds(key.budget_period, time.time())
-    totals = UsageRecord.objects.filter(
-        api_key_id=key.id, started_at__gte=datetime.fromtimestamp(start, tz=UTC)
-    ).aggregate(
-        requests=Count("id"), prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens")
-    )
-    used = (totals["prompt"] or 0) + (totals["completion"] or 0)
+    totals = rollups.totals(rollups.Selector(key_id=key.id), datetime.fromtimestamp(start, tz=UTC))
     return {
         "key": key.prefix,
         "period": key.budget_period,
         "period_start": int(start),
-        "requests": totals["requests"] or 0,
-        "prompt_tokens": totals["prompt"] or 0,
-        "completion_tokens": totals["completion"] or 0,
+        "requests": totals.requests,
+        "prompt_tokens": totals.prompt_tokens,
+        "completion_tokens": totals.completion_tokens,
         "token_budget": key.token_budget,
-        "budget_left": None if key.token_budget is None else max(0, key.token_budget - used),
+        "budget_left": None
+        if key.token_budget is None
+        else max(0, key.token_budget - totals.tokens),
     }
 
 

@@ -74,9 +74,9 @@ def prompt_of(kind: str, data: dict[str, Any]) -> Prompt:
     """The prompt of a request body (pure): chat messages, completions prompts, Responses
     input and instructions, embeddings input, a rerank query with its documents."""
     if kind == "chat":
-        messages = data.get("messages")
-        if isinstance(messages, list):
-            return Prompt(messages=[m for m in messages if isinstance(m, dict)])
+        sent = data.get("messages")
+        if isinstance(sent, list):
+            return Prompt(messages=[m for m in sent if isinstance(m, dict)])
     if kind == "responses":
         messages: list[dict[str, Any]] = []
         if isinstance(data.get("instructions"), str):
@@ -338,7 +338,7 @@ def usage_chunk(head: dict[str, Any], tokens: payload.Tokens, kind: str) -> byte
     }
     if tokens.cached:
         usage["prompt_tokens_details"] = {"cached_tokens": tokens.cached}
-    chunk = {
+    chunk: dict[str, Any] = {
         "id": head.get("id") or "",
         "object": head.get("object")
         or ("chat.completion.chunk" if kind == "chat" else "text_completion"),
@@ -348,3 +348,58 @@ def usage_chunk(head: dict[str, Any], tokens: payload.Tokens, kind: str) -> byte
         "usage": usage,
     }
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+# --------------------------------------------------------------------------- context length
+
+CONTEXT_TTL_S = 600.0
+_contexts: dict[tuple[str, str], tuple[int | None, float]] = {}
+_learning: set[asyncio.Task[None]] = set()
+
+
+def context_length(base_urls: Sequence[str], model: str) -> int | None:
+    """The model's context length as one of its engines reported it (``max_model_len`` in
+    vLLM's, SGLang's and sim's model list), if known (pure lookup)."""
+    for base_url in base_urls:
+        known = _contexts.get((base_url, model))
+        if known is not None and known[0] is not None:
+            return known[0]
+    return None
+
+
+def learn_context_length(pool: Pool, base_url: str, model: str) -> None:
+    """Ask the engine's model list for the context length, in the background, at most once
+    per ``CONTEXT_TTL_S``: the next reservation for a request without a max-token field uses
+    it (the context left after the prompt) instead of the default."""
+    now = time.monotonic()
+    known = _contexts.get((base_url, model))
+    if known is not None and known[1] > now:
+        return
+    _contexts[(base_url, model)] = (known[0] if known else None, now + CONTEXT_TTL_S)
+    task = asyncio.get_running_loop().create_task(_learn(pool, base_url, model, now))
+    _learning.add(task)
+    task.add_done_callback(_learning.discard)
+
+
+async def _learn(pool: Pool, base_url: str, model: str, now: float) -> None:
+    try:
+        async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
+            response = await pool.post(
+                base_url,
+                "/v1/models",
+                b"",
+                b"Accept: application/json\r\n",
+                connect_timeout=TOKENIZE_TIMEOUT_S,
+                method=b"GET",
+            )
+            raw = await response.read()
+            response.release()
+        listed = payload.loads(raw) if response.status == 200 else None
+    except (TimeoutError, UpstreamError, OSError, ValueError, RecursionError):
+        return
+    cards = listed.get("data") if isinstance(listed, dict) else None
+    for card in cards if isinstance(cards, list) else ():
+        if isinstance(card, dict) and card.get("id") == model:
+            length = card.get("max_model_len")
+            if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+                _contexts[(base_url, model)] = (length, now + CONTEXT_TTL_S)

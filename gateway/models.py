@@ -191,10 +191,56 @@ class UsageRecord(models.Model):
 
     class Meta:
         ordering = ["-started_at"]
-        indexes = [models.Index(fields=["api_key", "started_at"], name="usage_key_started")]
+        indexes = [
+            models.Index(fields=["api_key", "started_at"], name="usage_key_started"),
+            # /account/'s latest requests and a user's budget read by user, newest first.
+            models.Index(fields=["user", "started_at"], name="usage_user_started"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.model} {self.status}"
+
+
+class UsageRollup(models.Model):
+    """Usage summed per hour, key, user, model and status: what dashboards, budgets and
+    reports read for hours that are over (``gateway.rollups``), so they stay fast however
+    many raw rows there are. Kept after the raw rows expire. Key and user are plain ids
+    (0: none), not foreign keys: a rollup outlives the key it counts."""
+
+    hour = models.DateTimeField()
+    key_id = models.BigIntegerField(default=0)
+    user_id = models.BigIntegerField(default=0)
+    model = models.CharField(max_length=200)
+    status = models.PositiveSmallIntegerField()
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["hour", "key_id", "user_id", "model", "status"], name="rollup_unique"
+            )
+        ]
+        indexes = [
+            models.Index(fields=["user_id", "hour"], name="rollup_user_hour"),
+            models.Index(fields=["key_id", "hour"], name="rollup_key_hour"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}h {self.model} {self.status}: {self.requests}"
+
+
+class RollupMark(models.Model):
+    """How far the rollups reach: every hour before ``rolled_through`` is in UsageRollup;
+    readers add raw rows from there on."""
+
+    name = models.CharField(max_length=40, primary_key=True)
+    rolled_through = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.rolled_through}"
 
 
 class LimitCounter(models.Model):

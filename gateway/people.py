@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import F, Q, Sum
-from django.db.models.functions import Coalesce
 
-from gateway import limits
-from gateway.models import ApiKey, TeamLimits, UsageRecord, UserLimits
+from gateway import limits, rollups
+from gateway.models import ApiKey, TeamLimits, UserLimits
 
 
 @dataclass(frozen=True)
@@ -44,12 +42,9 @@ def period_start(period: str, now: float | None = None) -> datetime:
     return datetime.fromtimestamp(start, tz=UTC)
 
 
-def spent(rows: Q, since: datetime) -> int:
-    """Tokens (prompt + completion) recorded since ``since`` for the rows ``rows`` selects."""
-    total = UsageRecord.objects.filter(rows, started_at__gte=since).aggregate(
-        tokens=Coalesce(Sum(F("prompt_tokens") + F("completion_tokens")), 0)
-    )["tokens"]
-    return int(total)
+def spent(selector: rollups.Selector, since: datetime) -> int:
+    """Tokens (prompt + completion) recorded since ``since``: rollups, then recent raw rows."""
+    return rollups.totals(selector, since).tokens
 
 
 def user_limits(user_id: int) -> UserLimits | None:
@@ -67,10 +62,12 @@ def views_for_user(user: AbstractBaseUser) -> list[LimitView]:
     own = user_limits(int(user.pk))
     if own is not None:
         since = period_start(own.budget_period)
-        out.append(_view("your account", own, spent(Q(user_id=user.pk), since), since))
+        out.append(
+            _view("your account", own, spent(rollups.Selector(user_id=int(user.pk)), since), since)
+        )
     for team in TeamLimits.objects.filter(team__user__id=user.pk).select_related("team"):
         since = period_start(team.budget_period)
-        used = spent(Q(user__groups__id=team.team_id), since)
+        used = spent(rollups.Selector(team_id=team.team_id), since)
         out.append(_view(f"team '{team.team.name}'", team, used, since))
     return out
 
@@ -92,15 +89,19 @@ def _view(
 
 def key_view(key: ApiKey) -> LimitView:
     since = period_start(key.budget_period)
-    return _view(f"key {key.prefix}…", key, spent(Q(api_key_id=key.pk), since), since)
+    return _view(f"key {key.prefix}…", key, spent(rollups.Selector(key_id=key.pk), since), since)
 
 
 def user_spend(limits_row: UserLimits) -> int:
-    return spent(Q(user_id=limits_row.user_id), period_start(limits_row.budget_period))
+    return spent(
+        rollups.Selector(user_id=limits_row.user_id), period_start(limits_row.budget_period)
+    )
 
 
 def team_spend(limits_row: TeamLimits) -> int:
-    return spent(Q(user__groups__id=limits_row.team_id), period_start(limits_row.budget_period))
+    return spent(
+        rollups.Selector(team_id=limits_row.team_id), period_start(limits_row.budget_period)
+    )
 
 
 def narrowing_problems(

@@ -22,7 +22,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -173,8 +173,7 @@ class Exchange:
         status: int,
         reason: str,
         upstream: routing.Upstream,
-        completions: list[str],
-        relayed_events: int | None,
+        relayed: Callable[[], tuple[list[str], int | None]],
     ) -> None:
         """Close a request its engine reported no usage for: counted in the background (the
         engine's tokenizer, or an estimate), then recorded. Nothing else may finish it."""
@@ -183,7 +182,7 @@ class Exchange:
         self.being_counted = True
         self.drop_hold()
         task = asyncio.get_running_loop().create_task(
-            self._count_then_finish(status, reason, upstream, completions, relayed_events)
+            self._count_then_finish(status, reason, upstream, relayed)
         )
         _counting.add(task)
         task.add_done_callback(_counting.discard)
@@ -193,10 +192,13 @@ class Exchange:
         status: int,
         reason: str,
         upstream: routing.Upstream,
-        completions: list[str],
-        relayed_events: int | None,
+        relayed: Callable[[], tuple[list[str], int | None]],
     ) -> None:
+        completions: list[str] = []
+        relayed_events: int | None = None
         try:
+            # What was relayed is parsed here, after the answer has gone, not on its way out.
+            completions, relayed_events = relayed()
             counted = await self.count(upstream, completions, relayed_events)
         except Exception:
             logger.exception("request %s: counting failed", self.request_id)
@@ -305,7 +307,8 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
         body.max_tokens,
         body.n,
         generates=ex.api_route.tag == "generation",
-        context_length=route.context_length,
+        context_length=route.context_length
+        or counting.context_length([u.base_url for u in route.upstreams], route.name),
     )
     ex.reservation = await limits.reserve(ex.key, plan.tokens)
     if plan.output_cap is not None and ex.reservation.token_counters():
@@ -569,6 +572,8 @@ async def _attempt(
             response.close()
         raise
     ex.first_byte()
+    if ex.route is not None and ex.route.context_length is None:
+        counting.learn_context_length(pool(), upstream.base_url, ex.route.name)
     return Opened(upstream, response, first, complete)
 
 
@@ -588,7 +593,9 @@ async def _relay_body(ex: Exchange, opened: Opened) -> Response:
     status = response.status
     tokens, reason = payload.usage_of_body(body) if status == 200 else (None, "")
     if status == 200 and tokens is None:
-        ex.finish_uncounted(status, reason, opened.upstream, counting.body_texts(body), None)
+        ex.finish_uncounted(
+            status, reason, opened.upstream, lambda: (counting.body_texts(body), None)
+        )
     else:
         ex.finish(status, reason if status == 200 else Reason.UPSTREAM_ERROR, tokens)
     return responses.whole(
@@ -687,6 +694,11 @@ def _finish_stream(ex: Exchange, opened: Opened, sse: payload.SseFilter, reason:
     if sse.tokens is not None:
         ex.finish(200, reason, sse.tokens)
         return
-    relayed = counting.Relayed(sse.blocks)
-    completions, _ = relayed.parsed()
-    ex.finish_uncounted(200, reason, opened.upstream, completions, relayed.content_events)
+    blocks = sse.blocks
+
+    def relayed() -> tuple[list[str], int | None]:
+        kept = counting.Relayed(blocks)
+        completions, _ = kept.parsed()
+        return completions, kept.content_events
+
+    ex.finish_uncounted(200, reason, opened.upstream, relayed)

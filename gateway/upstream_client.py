@@ -368,18 +368,20 @@ class Pool:
         *,
         connect_timeout: float,
         addresses: AddressPolicy | str = AddressPolicy.ANY,
+        method: bytes = b"POST",
     ) -> Response:
-        """Send ``POST path`` with ``body`` and return once the answer's status and headers
-        are in. ``headers`` are complete header lines (``Name: value\\r\\n``) without Host and
-        Content-Length. A new connection is made only to an address ``addresses`` allows.
-        Raises ``Unreachable`` (``Forbidden``), ``Dropped`` or ``Broken``."""
+        """Send ``POST path`` (or ``method``) with ``body`` and return once the answer's status
+        and headers are in. ``headers`` are complete header lines (``Name: value\\r\\n``)
+        without Host and Content-Length. A new connection is made only to an address
+        ``addresses`` allows. Raises ``Unreachable`` (``Forbidden``), ``Dropped`` or ``Broken``."""
         origin = self._origins.get(base_url)
         if origin is None:
             origin = self._origins[base_url] = Origin.of(base_url)
         connection = self._reuse(origin) or await self._connect(
             origin, connect_timeout, AddressPolicy(addresses)
         )
-        head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
+        head = b"%s %s%s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
+            method,
             origin.path_prefix,
             path.encode(),
             origin.host_header,

@@ -362,6 +362,11 @@ LLMGW_USAGE_FLUSH_INTERVAL: float = _read(
 )
 # Off only to price usage accounting in the benchmark: requests then leave no usage rows.
 LLMGW_USAGE_ACCOUNTING: bool = _read(env_bool, "LLMGW_USAGE_ACCOUNTING", True)
+# Raw usage rows are kept this long; hourly rollups (what reports read) are kept for good.
+LLMGW_USAGE_RETENTION_DAYS: int = _read(env_int, "LLMGW_USAGE_RETENTION_DAYS", 90, minimum=1)
+LLMGW_USAGE_ROLLUP_INTERVAL: float = _read(
+    env_float, "LLMGW_USAGE_ROLLUP_INTERVAL", 300.0, minimum=1.0
+)
 LLMGW_USAGE_JOURNAL_DIR = Path(env_str(ENV, "LLMGW_USAGE_JOURNAL_DIR", str(VAR_DIR / "usage")))
 # SSE comments sent to a stream while it waits for a cold model, so proxies keep it open.
 LLMGW_KEEPALIVE_INTERVAL: float = _read(env_float, "LLMGW_KEEPALIVE_INTERVAL", 5.0, minimum=0.05)
@@ -410,6 +415,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "control.tasks.reconcile",
         "schedule": LLMGW_RECONCILE_INTERVAL,
         "options": {"expires": LLMGW_RECONCILE_INTERVAL * 0.9},
+    },
+    # Leader-gated like the reconcile tick; idempotent (gateway.rollups).
+    "usage-rollups": {
+        "task": "gateway.tasks.roll_up_usage",
+        "schedule": LLMGW_USAGE_ROLLUP_INTERVAL,
+        "options": {"expires": LLMGW_USAGE_ROLLUP_INTERVAL * 0.9},
     },
 }
 

@@ -102,15 +102,17 @@ def test_a_limited_key_binds_the_engine_to_what_was_reserved(
     free_key, free_api_key = make_key("free")
     limited_key, limited_api_key = make_key("limited", budget=100_000)
     serve(web, free_key, "acc", sim.port)
-    free = client(web, free_key).chat.completions.create(
-        model="acc", messages=[{"role": "user", "content": "go"}]
-    )
-    assert free.usage is not None and free.usage.completion_tokens == 16  # the sim's default
+    # First, before the gateway has learnt the model's context length from the engine: the
+    # default output is reserved, and the engine is bound to it.
     limited = client(web, limited_key).chat.completions.create(
         model="acc", messages=[{"role": "user", "content": "go"}], n=2
     )
     assert limited.usage is not None and limited.usage.completion_tokens == DEFAULT_MAX * 2
     assert {c.finish_reason for c in limited.choices} == {"length"}
+    free = client(web, free_key).chat.completions.create(
+        model="acc", messages=[{"role": "user", "content": "go"}]
+    )
+    assert free.usage is not None and free.usage.completion_tokens == 16  # the sim's default
     # A cap larger than the client's own is never written: the client's smaller one stays.
     small = client(web, limited_key).chat.completions.create(
         model="acc", messages=[{"role": "user", "content": "go"}], max_completion_tokens=2
@@ -306,3 +308,34 @@ def test_a_client_that_hangs_up_is_billed_the_prompt_and_what_was_relayed(
     assert row.finish_reason == UsageRecord.FinishReason.CLIENT_DISCONNECT
     assert row.prompt_tokens == 7 and 3 <= row.completion_tokens < 500
     assert row.usage_source == "tokenized"
+
+
+def test_without_a_max_token_field_the_context_the_engine_reports_is_reserved(
+    live: tuple[Proc, Proc, Proc], tmp_path: Path
+) -> None:
+    """With no max-token field, the reservation is the model's context length (as its engine
+    reports max_model_len) minus the prompt, and the engine is bound to it."""
+    web, _, _ = live
+    sim = start_sim(tmp_path / "ctx", ["ctx"], "--max-model-len", "60", "--output-tokens", "100")
+    try:
+        key, api_key = make_key(budget=100_000)
+        serve(web, key, "ctx", sim.port)
+        body = chat_body("ctx")
+        # The first answer teaches the gateway the context length (until then: the default).
+        status, _, raw = http("POST", web.url + "/v1/chat/completions", key=key, body=body)
+        assert status == 200, raw
+        cap = 60 - len(body) // 4
+
+        def completion() -> int:
+            status, _, raw = http("POST", web.url + "/v1/chat/completions", key=key, body=body)
+            assert status == 200, raw
+            return int(json.loads(raw)["usage"]["completion_tokens"])
+
+        wait_until(lambda: completion() == cap, what="the context-sized cap")
+        # A budget smaller than the context's room: refused, naming the budget.
+        small_key, _ = make_key("small", budget=cap)
+        status, _, raw = http("POST", web.url + "/v1/chat/completions", key=small_key, body=body)
+        assert status == 429 and "budget" in json.loads(raw)["error"]["message"]
+        wait_for_rows(api_key, 2)
+    finally:
+        sim.stop()

@@ -34,15 +34,13 @@ class Command(BaseCommand):
         until = _moment(options["until"], "--until") if options["until"] else None
         if until is not None and until <= since:
             raise CommandError("--until must be after --since")
-        rows = reports.summarize(
-            reports.usage(
-                reports.UsageFilter(
-                    since=since,
-                    until=until,
-                    username=options["user"],
-                    key_prefix=options["key"].rstrip("…") if options["key"] else None,
-                    model=options["model"],
-                )
+        rows = reports.summary_rows(
+            reports.UsageFilter(
+                since=since,
+                until=until,
+                username=options["user"],
+                key_prefix=options["key"].rstrip("…") if options["key"] else None,
+                model=options["model"],
             ),
             options["by"],
         )

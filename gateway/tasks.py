@@ -1,0 +1,36 @@
+"""Celery tasks of the gateway: thin edges over ``gateway.rollups``."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+from django.conf import settings
+
+from control import serving
+from gateway import rollups
+
+logger = logging.getLogger(__name__)
+
+ROLL_UP_TASK = "gateway.tasks.roll_up_usage"
+
+
+@shared_task(
+    name=ROLL_UP_TASK,
+    ignore_result=True,
+    soft_time_limit=settings.LLMGW_USAGE_ROLLUP_INTERVAL * 0.9,
+    time_limit=settings.LLMGW_USAGE_ROLLUP_INTERVAL,
+)
+def roll_up_usage() -> None:
+    """Sum the hours that are over and expire old raw rows, on the leader only (beat sends
+    it to every worker's queue; a run that repeats one is harmless, see gateway.rollups)."""
+    if not serving.this_process_leads():
+        logger.debug("usage rollups: not the leader")
+        return
+    run = rollups.roll_up()
+    logger.info(
+        "usage rollups through %s: %d rows, %d raw rows expired",
+        run.rolled_through,
+        run.rollups,
+        run.deleted,
+    )
