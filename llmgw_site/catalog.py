@@ -24,7 +24,7 @@ import yaml
 from django.core.exceptions import ValidationError
 from django.db import models, transaction
 
-from control.models import Profile, ServedModel
+from control.models import Profile, ProfileScale, ServedModel
 from control.profiles import wire_problems
 from gateway.models import Endpoint
 
@@ -59,10 +59,19 @@ def export() -> dict[str, Any]:
     """The whole catalog as plain data, in a stable order."""
     profiles = [_values(p, _columns(Profile)) for p in Profile.objects.order_by("name")]
     served = []
-    for model in ServedModel.objects.select_related("default_profile").prefetch_related("profiles"):
+    for model in ServedModel.objects.select_related("default_profile").prefetch_related(
+        "profiles", "scales__profile"
+    ):
         entry = _values(model, _columns(ServedModel))
         entry["default_profile"] = model.default_profile.name
         entry["profiles"] = sorted(p.name for p in model.profiles.all())
+        scales = sorted(model.scales.all(), key=lambda s: s.profile.name)
+        if scales:
+            # Replica counts under its other profiles (the default's are the model's own).
+            entry["profile_replicas"] = {
+                s.profile.name: {"min_replicas": s.min_replicas, "max_replicas": s.max_replicas}
+                for s in scales
+            }
         served.append(entry)
     endpoints = []
     for endpoint in Endpoint.objects.order_by("slug"):
@@ -210,6 +219,7 @@ def _import_models(entries: list[Mapping[str, Any]], result: ImportResult) -> No
         fields = dict(entry)
         default = _profile(_name(fields, "default_profile", f"model {name}"), f"model {name}")
         fields.pop("default_profile")
+        counts = fields.pop("profile_replicas", None)
         profile_names = fields.pop("profiles", None) or [default.name]
         if not isinstance(profile_names, list):
             raise CatalogError(f"model {name}: profiles must be a list of profile names")
@@ -221,11 +231,50 @@ def _import_models(entries: list[Mapping[str, Any]], result: ImportResult) -> No
             changed = True
         _validate(row, f"model {name}")
         _save(row, changed, f"model {name}", result)
-        if set(row.profiles.all()) != profiles:
+        changed_counts = False
+        if counts is not None:
+            changed_counts = _import_profile_replicas(row, counts, profiles - {default})
+        if set(row.profiles.all()) != profiles or changed_counts:
             row.profiles.set(profiles)
             if f"model {name}" in result.unchanged:
                 result.unchanged.remove(f"model {name}")
                 result.updated.append(f"model {name}")
+
+
+def _import_profile_replicas(row: ServedModel, counts: object, others: set[Profile]) -> bool:
+    """Make the model's rows under its other profiles exactly ``counts`` (name → min/max);
+    True if any changed. A file without the key leaves them as they are."""
+    where = f"model {row.name}: profile_replicas"
+    if not isinstance(counts, dict):
+        raise CatalogError(f"{where} must map profile names to min_replicas/max_replicas")
+    by_name = {p.name: p for p in others}
+    wanted: dict[int, tuple[int, int]] = {}
+    for profile_name, entry in counts.items():
+        profile = by_name.get(profile_name)
+        if profile is None:
+            raise CatalogError(f"{where}: {profile_name!r} is not one of its other profiles")
+        if not isinstance(entry, dict) or set(entry) - {"min_replicas", "max_replicas"}:
+            raise CatalogError(f"{where}.{profile_name}: needs min_replicas and max_replicas")
+        low, high = entry.get("min_replicas", 0), entry.get("max_replicas", 1)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)) or not (
+            0 <= low <= high <= 32767
+        ):
+            raise CatalogError(f"{where}.{profile_name}: needs 0 <= min_replicas <= max_replicas")
+        wanted[profile.pk] = (low, high)
+    changed = False
+    for scale in row.scales.all():
+        if scale.profile_id not in wanted:
+            scale.delete()
+            changed = True
+    for profile_id, (low, high) in wanted.items():
+        scale, created = ProfileScale.objects.get_or_create(
+            model=row, profile_id=profile_id, defaults={"min_replicas": low, "max_replicas": high}
+        )
+        if not created and (scale.min_replicas, scale.max_replicas) != (low, high):
+            ProfileScale.objects.filter(pk=scale.pk).update(min_replicas=low, max_replicas=high)
+            changed = True
+        changed = changed or created
+    return changed
 
 
 def _import_endpoints(entries: list[Mapping[str, Any]], result: ImportResult) -> None:
