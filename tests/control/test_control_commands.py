@@ -55,7 +55,13 @@ def test_reconcile_needs_a_mode() -> None:
 def test_reconcile_loop_ticks_until_sigterm_then_releases_the_lease(tmp_path: Any) -> None:
     make_node("a", gpus=gib(80))
     make_model("m", min_replicas=1)
-    env = child_env(LLMGW_VAR_DIR=str(tmp_path))
+    # The node has no agent: its one heartbeat must stay fresh however long a loaded machine
+    # takes to start the loop.
+    env = child_env(
+        LLMGW_VAR_DIR=str(tmp_path),
+        LLMGW_UNREACHABLE_AFTER="3600",
+        LLMGW_LOST_AFTER="7200",
+    )
     argv = [sys.executable, "manage.py", "reconcile", "--loop", "--interval", "0.2"]
     loop = Proc("reconcile", argv, tmp_path, env).start()
     try:
