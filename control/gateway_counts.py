@@ -178,7 +178,8 @@ def take_waiting_slot(process: str, model_id: int, limit: int) -> bool:
     with transaction.atomic():
         # The model's row is the lock every process takes before counting, so two processes
         # cannot both see room for one more (SQLite's write lock does the same there).
-        if not ServedModel.objects.select_for_update().filter(pk=model_id).exists():
+        locked = ServedModel.objects.select_for_update().filter(pk=model_id)
+        if not list(locked.values_list("pk", flat=True)):
             return False
         waiting = (
             GatewayCount.objects.filter(

@@ -24,7 +24,7 @@ import yaml
 from django.core.exceptions import ValidationError
 from django.db import models, transaction
 
-from control.models import Profile, ServedModel
+from control.models import Profile, ProfileScale, ServedModel
 from control.profiles import wire_problems
 from gateway.models import Endpoint
 
@@ -64,10 +64,19 @@ def export() -> dict[str, Any]:
     """The whole catalog as plain data, in a stable order."""
     profiles = [_values(p, _columns(Profile)) for p in Profile.objects.order_by("name")]
     served = []
-    for model in ServedModel.objects.select_related("default_profile").prefetch_related("profiles"):
+    for model in ServedModel.objects.select_related("default_profile").prefetch_related(
+        "profiles", "scales__profile"
+    ):
         entry = _values(model, _columns(ServedModel))
         entry["default_profile"] = model.default_profile.name
         entry["profiles"] = sorted(p.name for p in model.profiles.all())
+        scales = sorted(model.scales.all(), key=lambda s: s.profile.name)
+        if scales:
+            # Replica counts under its other profiles (the default's are the model's own).
+            entry["profile_replicas"] = {
+                s.profile.name: {"min_replicas": s.min_replicas, "max_replicas": s.max_replicas}
+                for s in scales
+            }
         served.append(entry)
     endpoints = []
     for endpoint in Endpoint.objects.order_by("slug"):
@@ -272,6 +281,7 @@ def _import_models(entries: list[Mapping[str, Any]], result: ImportResult) -> No
         default_name = _name(fields, "default_profile", where, path)
         default = _profile(default_name, where, f"{path}.default_profile")
         fields.pop("default_profile")
+        counts = fields.pop("profile_replicas", None)
         profile_names = fields.pop("profiles", None) or [default.name]
         if not isinstance(profile_names, list):
             raise CatalogError(
@@ -291,9 +301,69 @@ def _import_models(entries: list[Mapping[str, Any]], result: ImportResult) -> No
         after_profiles = sorted(p.name for p in profiles)
         if before_profiles != after_profiles:
             changes["profiles"] = {"from": before_profiles, "to": after_profiles}
+        wanted = None
+        if counts is not None:
+            wanted = _profile_replicas(counts, profiles - {default}, where, path)
+            before_counts = _current_profile_replicas(row) if row.pk else {}
+            if before_counts != wanted:
+                changes["profile_replicas"] = {"from": before_counts, "to": wanted}
         _save(row, changes, where, result)
+        if wanted is not None:
+            _set_profile_replicas(row, wanted, profiles - {default})
         if before_profiles != after_profiles:
             row.profiles.set(profiles)
+
+
+def _profile_replicas(
+    counts: object, others: set[Profile], where: str, path: str
+) -> dict[str, dict[str, int]]:
+    """``profile_replicas`` checked: the model's other profiles by name, each with its
+    min/max replicas. A file without the key leaves the model's rows as they are."""
+    where, path = f"{where}: profile_replicas", f"{path}.profile_replicas"
+    if not isinstance(counts, dict):
+        raise CatalogError(
+            f"{where} must map profile names to min_replicas/max_replicas", field=path
+        )
+    names = {p.name for p in others}
+    wanted: dict[str, dict[str, int]] = {}
+    for profile_name, entry in counts.items():
+        at = f"{path}.{profile_name}"
+        if profile_name not in names:
+            raise CatalogError(
+                f"{where}: {profile_name!r} is not one of its other profiles", field=at
+            )
+        if not isinstance(entry, dict) or set(entry) - {"min_replicas", "max_replicas"}:
+            raise CatalogError(
+                f"{where}.{profile_name}: needs min_replicas and max_replicas", field=at
+            )
+        low, high = entry.get("min_replicas", 0), entry.get("max_replicas", 1)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)) or not (
+            0 <= low <= high <= 32767
+        ):
+            raise CatalogError(
+                f"{where}.{profile_name}: needs 0 <= min_replicas <= max_replicas", field=at
+            )
+        wanted[profile_name] = {"min_replicas": low, "max_replicas": high}
+    return wanted
+
+
+def _current_profile_replicas(row: ServedModel) -> dict[str, dict[str, int]]:
+    return {
+        scale.profile.name: {"min_replicas": scale.min_replicas, "max_replicas": scale.max_replicas}
+        for scale in row.scales.select_related("profile")
+    }
+
+
+def _set_profile_replicas(
+    row: ServedModel, wanted: dict[str, dict[str, int]], others: set[Profile]
+) -> None:
+    """Make the model's rows under its other profiles exactly ``wanted``."""
+    by_name = {p.name: p for p in others}
+    row.scales.exclude(profile__name__in=list(wanted)).delete()
+    for profile_name, counts in wanted.items():
+        ProfileScale.objects.update_or_create(
+            model=row, profile=by_name[profile_name], defaults=counts
+        )
 
 
 def _import_endpoints(entries: list[Mapping[str, Any]], result: ImportResult) -> None:

@@ -148,3 +148,32 @@ def test_wire_problems_agree_with_what_the_agent_accepts() -> None:
     assert ok == {}
     bad = profiles.wire_problems(args=[], env={}, health_path="health", gpu_selector={})
     assert "health_path" in bad
+
+
+def test_replica_counts_under_other_profiles_round_trip_and_are_checked() -> None:
+    with_counts = CATALOG.replace(
+        "    pinned: true\n",
+        "    pinned: true\n    profile_replicas: {sim: {min_replicas: 1, max_replicas: 2}}\n",
+    )
+    catalog.import_yaml(with_counts)
+    model = ServedModel.objects.get()
+    (scale,) = model.scales.all()
+    assert (scale.profile.name, scale.min_replicas, scale.max_replicas) == ("sim", 1, 2)
+    exported = catalog.export_yaml()
+    assert yaml.safe_load(exported)["models"][0]["profile_replicas"] == {
+        "sim": {"min_replicas": 1, "max_replicas": 2}
+    }
+    assert catalog.import_yaml(exported).updated == []
+    assert catalog.import_yaml(CATALOG).updated == [], "a file without the key leaves them"
+    assert model.scales.count() == 1
+
+    for bad, message in [
+        ("{vllm-tp2: {min_replicas: 0, max_replicas: 1}}", "not one of its other profiles"),
+        ("{sim: {min_replicas: 3, max_replicas: 1}}", "min_replicas <= max_replicas"),
+        ("[sim]", "must map profile names"),
+    ]:
+        text = CATALOG.replace(
+            "    pinned: true\n", f"    pinned: true\n    profile_replicas: {bad}\n"
+        )
+        with pytest.raises(CatalogError, match=message):
+            catalog.import_yaml(text)

@@ -34,7 +34,7 @@ def test_reconcile_once_places_what_is_missing_and_says_so() -> None:
     make_model("m", min_replicas=1)
     code, text = run_command("reconcile", "--once")
     assert code == 0
-    assert text.startswith("tick done (epoch 0): 1 placed")
+    assert text.startswith("tick done (epoch 1): 1 placed")
     assert Replica.objects.filter(model__name="m").count() == 1
 
 

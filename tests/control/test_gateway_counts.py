@@ -4,11 +4,13 @@ real web processes are, so one test plays several of them."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from control import gateway_counts
@@ -92,3 +94,25 @@ def test_a_process_whose_marker_expired_holds_nothing_in_redis(
         assert gateway_counts.take_waiting_slot("alive", model.pk, 1)
     finally:
         gateway_counts._redis = None
+
+
+def test_processes_racing_for_the_last_slots_never_overfill_the_queue(counts: str) -> None:
+    """Eight processes at once for three places: exactly three get one."""
+    model = make_model("cold")
+    start = threading.Barrier(8)
+    taken: list[bool] = []
+
+    def race(n: int) -> None:
+        try:
+            start.wait()
+            taken.append(gateway_counts.take_waiting_slot(f"web-{n}", model.pk, 3))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=race, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(taken) == [False] * 5 + [True] * 3
+    assert gateway_counts.waiting_for(model.pk) == 3
