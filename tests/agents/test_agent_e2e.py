@@ -542,11 +542,13 @@ def test_a_channel_layer_restart_loses_nothing(fleet: Cluster) -> None:
     """N10: with Redis gone, nudges are lost but streams stay up and the periodic resync
     delivers from the database; once Redis is back, the streams rejoin their groups."""
     assert fleet.redis is not None
-    restarted = timezone.now()
     fleet.control_planes[0].start_web(LLMGW_AGENT_RESYNC_INTERVAL="2")
+    # Taken once every listener has restarted (over gRPC the agent listener restarts after
+    # the web process, so an old stream may still beat while the web process comes up).
+    restarted = timezone.now()
     wait_until(lambda: heartbeat_after("n1", restarted), what="n1 reconnected")
     wait_until(lambda: in_group(fleet, "n1"), what="n1's stream in its group")
-    stream = stream_of(fleet, "n1")
+    stream = wait_until(lambda: stream_of(fleet, "n1"), what="n1's stream")
 
     fleet.redis.stop()
     during = place(fleet, "n1", model="m1")  # the nudge cannot be delivered
