@@ -187,22 +187,39 @@ class WebSocketLink:
 
 # --------------------------------------------------------------------------- gRPC
 
+# How long a closing agent waits for the control plane to end the call it half-closed.
+CLOSE_TIMEOUT_S: Final = 2.0
 # gRPC status codes a refusal at the start of a stream comes with.
 _REFUSALS: Final = ("UNAUTHENTICATED", "PERMISSION_DENIED")
 
 
 class GrpcLink:
     """One ``AgentPlane/Stream`` call. Frames are converted to and from the protocol's JSON
-    text here, so the agent (and the control plane's session) see one shape."""
+    text here, so the agent (and the control plane's session) see one shape.
+
+    The call is read by a task of the link's own: in grpc.aio, cancelling a pending
+    ``read()`` cancels the whole call, and the agent cancels its receiver whenever it stops,
+    which would drop the last status it had just written."""
 
     def __init__(self, channel: Any, call: Any) -> None:
         self.channel = channel
         self.call = call
         self._close_code: int | None = None
         self._close_reason = ""
+        self._frames: asyncio.Queue[Any] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read_all(), name="grpc-read")
+
+    async def _read_all(self) -> None:
+        try:
+            while True:
+                frame = await self.call.read()
+                self._frames.put_nowait(frame)
+                if frame is grpc.aio.EOF:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            self._frames.put_nowait(exc)
 
     async def send(self, text: str) -> None:
-
         try:
             await self.call.write(grpc_wire.text_to_frame(text, grpc_wire.AgentFrame))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as exc:
@@ -210,24 +227,22 @@ class GrpcLink:
             raise LinkClosed(f"stream ended: {exc}", self._close_code) from None
 
     async def recv(self) -> str | bytes:
-
-        try:
-            frame = await self.call.read()
-        except grpc.aio.AioRpcError as exc:
+        item = await self._frames.get()
+        if isinstance(item, grpc.aio.AioRpcError) or item is grpc.aio.EOF:
+            self._frames.put_nowait(item)  # the end stays the end for every later call
             await self._ended()
-            if exc.code().name in _REFUSALS and self._close_code is None:
-                raise Refused(f"{exc.code().name}: {exc.details()}") from None
+        if isinstance(item, grpc.aio.AioRpcError):
+            if item.code().name in _REFUSALS and self._close_code is None:
+                raise Refused(f"{item.code().name}: {item.details()}")
             raise LinkClosed(
-                f"{exc.code().name}: {exc.details() or 'no details'}", self._close_code
-            ) from None
-        if frame is grpc.aio.EOF:
-            await self._ended()
+                f"{item.code().name}: {item.details() or 'no details'}", self._close_code
+            )
+        if item is grpc.aio.EOF:
             raise LinkClosed("the control plane ended the stream", self._close_code)
-        return grpc_wire.frame_to_text(frame)
+        return grpc_wire.frame_to_text(item)
 
     async def _ended(self) -> None:
         """Read the close code the control plane left in the trailing metadata."""
-
         with contextlib.suppress(Exception):
             trailing = await self.call.trailing_metadata()
             for key, value in trailing or ():
@@ -236,11 +251,16 @@ class GrpcLink:
             self._close_reason = str(await self.call.details() or "")
 
     async def close(self, code: int, reason: str) -> None:
-
         self._close_code = self._close_code or code
         self._close_reason = self._close_reason or reason
-        with contextlib.suppress(Exception):
-            await self.call.done_writing()
+        if not self.call.done():
+            # Half-close, then let the control plane read what was sent (the last status
+            # before a shutdown) and end the call; cancelling at once could drop it, as a
+            # WebSocket close without its handshake would.
+            with contextlib.suppress(Exception):
+                await self.call.done_writing()
+            await asyncio.wait({self._reader}, timeout=CLOSE_TIMEOUT_S)
+        self._reader.cancel()
         self.call.cancel()
         await self.channel.close(grace=None)
 

@@ -45,6 +45,7 @@ _STATUS: Final[dict[int, grpc.StatusCode]] = {
     CloseCode.HELLO_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     CloseCode.REPLACED: grpc.StatusCode.ABORTED,
     CloseCode.TOO_BIG: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CloseCode.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     CloseCode.UNSUPPORTED_DATA: grpc.StatusCode.INVALID_ARGUMENT,
     CloseCode.PROTOCOL_VERSION: grpc.StatusCode.FAILED_PRECONDITION,
     CloseCode.STORE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,

@@ -36,7 +36,7 @@ from websockets.sync.client import connect
 
 from agents import grpc_wire
 from agents.agent_pb2 import AgentFrame
-from agents.protocol import NODE_HEADER, CloseCode, Hello, encode
+from agents.protocol import NODE_HEADER, CloseCode, Heartbeat, Hello, encode
 from control import health, node_certs, node_tokens, nudges
 from control.models import Event, Lease, Node, Profile, Replica, ServedModel, Shard
 from gateway.models import UsageRecord
@@ -540,11 +540,13 @@ def test_a_channel_layer_restart_loses_nothing(fleet: Cluster) -> None:
     """N10: with Redis gone, nudges are lost but streams stay up and the periodic resync
     delivers from the database; once Redis is back, the streams rejoin their groups."""
     assert fleet.redis is not None
-    restarted = timezone.now()
     fleet.control_planes[0].start_web(LLMGW_AGENT_RESYNC_INTERVAL="2")
+    # Taken once every listener has restarted (over gRPC the agent listener restarts after
+    # the web process, so an old stream may still beat while the web process comes up).
+    restarted = timezone.now()
     wait_until(lambda: heartbeat_after("n1", restarted), what="n1 reconnected")
     wait_until(lambda: in_group(fleet, "n1"), what="n1's stream in its group")
-    stream = stream_of(fleet, "n1")
+    stream = wait_until(lambda: stream_of(fleet, "n1"), what="n1's stream")
 
     fleet.redis.stop()
     during = place(fleet, "n1", model="m1")  # the nudge cannot be delivered
@@ -1104,3 +1106,50 @@ def test_without_identity_required_the_grpc_listener_takes_node_tokens(
         assert token not in listener.log() and "Traceback" not in listener.log()
     finally:
         listener.stop()
+
+
+def test_bad_grpc_frames_end_the_stream_with_clear_codes_and_other_agents_are_unaffected(
+    fleet: Cluster, grpc_only: None
+) -> None:
+    """Bytes that are no frame, a frame from another protocol version, a frame without a
+    body, and one past the size limit: each ends that stream with the protocol's close code
+    (and gRPC's status), never a crash; the real agents keep their streams."""
+    ca, cert, key = node_tls(fleet, "n3")
+    streams = {name: stream_of(fleet, name) for name in ("n1", "n2")}
+    hello = grpc_wire.serialize(
+        grpc_wire.to_frame(Hello(node="n3", boot_id="b", agent_version="t"), AgentFrame)
+    )
+    old = grpc_wire.to_frame(Heartbeat(seq=1), AgentFrame)
+    old.v = 2
+    malformed, invalid = CloseCode.MALFORMED, grpc.StatusCode.INVALID_ARGUMENT
+    cases: list[tuple[bytes, grpc.StatusCode, CloseCode | None]] = [
+        (b"\xff\xff\xff\xff", invalid, malformed),
+        (grpc_wire.serialize(old), grpc.StatusCode.FAILED_PRECONDITION, CloseCode.PROTOCOL_VERSION),
+        (grpc_wire.serialize(AgentFrame(v=1)), invalid, malformed),
+        # Past the listener's own limit, refused by gRPC before the session sees it.
+        (b"\x00" * (2 * 1024 * 1024), grpc.StatusCode.RESOURCE_EXHAUSTED, None),
+    ]
+    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+    target = f"127.0.0.1:{fleet.control_planes[0].agent_port}"
+    for frame, status, code in cases:
+        with grpc.secure_channel(target, credentials) as channel:
+            call = channel.stream_stream(
+                grpc_wire.METHOD,
+                request_serializer=lambda raw: raw,
+                response_deserializer=grpc_wire.parse_server_frame,
+            )
+            with pytest.raises(grpc.RpcError) as ended:
+                for _ in call(iter([hello, frame]), timeout=30):
+                    pass
+        assert ended.value.code() == status, ended.value
+        if code is not None:
+            trailing = dict(ended.value.trailing_metadata() or ())
+            assert trailing[grpc_wire.CLOSE_CODE_KEY] == str(int(code))
+
+    now = timezone.now()
+    for name in ("n1", "n2"):
+        wait_until(functools.partial(heartbeat_after, name, now), what=f"{name} still beating")
+        assert stream_of(fleet, name) == streams[name]
+    for plane in fleet.control_planes:
+        for proc in plane.services():
+            assert "Traceback" not in proc.log()

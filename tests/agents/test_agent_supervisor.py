@@ -194,7 +194,11 @@ async def test_drain_lets_in_flight_requests_finish_and_weights_in_use_are_not_r
     await until(lambda: state_of(supervisor) is ShardState.STOPPED, what="stopped after drain")
     # Once nothing uses them, the next convergence removes the weights.
     await until(lambda: not weights.exists(), what="weights removed")
-    assert supervisor.weights["models/tiny"].state is WeightsState.REMOVED
+    # The files go first, then the report says so.
+    await until(
+        lambda: supervisor.weights["models/tiny"].state is WeightsState.REMOVED,
+        what="the removal reported",
+    )
 
 
 async def test_failures_are_reported_with_their_class_and_log(supervisor: Supervisor) -> None:

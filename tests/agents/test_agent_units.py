@@ -426,3 +426,44 @@ def test_over_grpc_a_client_certificate_replaces_the_token(tmp_path: Path) -> No
     args.tls_key = None
     with pytest.raises(ValueError, match="go together"):
         prepare(args)
+
+
+async def test_wss_verifies_the_control_plane_by_the_cluster_ca(tmp_path: Path) -> None:
+    """``wss://`` with ``--tls-ca``: the control plane's certificate must chain to the
+    cluster CA (a server with another CA's certificate is not talked to)."""
+    import ssl
+
+    from websockets.asyncio.server import serve
+
+    from agents.agent import Agent, ConnectionConfig
+    from agents.links import TlsFiles
+    from control.node_certs import init_ca  # writes files only; no store needed
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    init_ca(ours, ["localhost", "127.0.0.1"])
+    init_ca(theirs, ["localhost", "127.0.0.1"])
+
+    async def echo(ws: Any) -> None:
+        async for message in ws:
+            await ws.send(message)
+
+    for served_by, works in ((ours, True), (theirs, False)):
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(served_by / "server.pem", served_by / "server.key")
+        async with serve(echo, "127.0.0.1", 0, ssl=context) as server:
+            port = server.sockets[0].getsockname()[1]
+            config = ConnectionConfig(
+                urls=(f"wss://127.0.0.1:{port}",),
+                token="llmgw_node_x",
+                node="n1",
+                tls=TlsFiles(ca=ours / "ca.pem"),
+            )
+            agent = Agent(config, supervisor=None)  # type: ignore[arg-type]
+            if works:
+                async with agent._open(agent.targets[0]) as link:
+                    await link.send("ping")
+                    assert await link.recv() == "ping"
+            else:
+                with pytest.raises(ssl.SSLCertVerificationError):
+                    async with agent._open(agent.targets[0]):
+                        pass

@@ -89,3 +89,13 @@ def test_issuing_without_a_ca_says_what_to_run(tmp_path: Path, settings: Any) ->
     settings.LLMGW_CA_DIR = tmp_path / "none"
     with pytest.raises(CommandError, match="init_ca"):
         call_command("issue_node_cert", "n1", stdout=StringIO())
+
+
+def test_every_close_code_has_a_grpc_status_of_its_own_meaning() -> None:
+    from agents.protocol import CloseCode
+    from control.agent_grpc import grpc_status
+
+    unknown = [code for code in CloseCode if grpc_status(code).name == "UNKNOWN"]
+    assert unknown == []
+    assert grpc_status(CloseCode.RATE_LIMITED).name == "RESOURCE_EXHAUSTED"
+    assert grpc_status(CloseCode.FORBIDDEN).name == "PERMISSION_DENIED"
