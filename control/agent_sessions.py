@@ -67,7 +67,10 @@ def in_store_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]:
     global _store_executor
     if _store_executor is None:
         _store_executor = ThreadPoolExecutor(store_threads(), thread_name_prefix="llmgw-store")
-    return database_sync_to_async(func, thread_sensitive=False, executor=_store_executor)
+    wrapped: Callable[..., Awaitable[_R]] = database_sync_to_async(
+        func, thread_sensitive=False, executor=_store_executor
+    )
+    return wrapped
 
 
 class Transport(Protocol):
