@@ -1,10 +1,11 @@
-"""The control plane at fleet scale, scaled down: ``make bench-fleet``'s run (bench/fleet.py) with
-100 simulated nodes (``python -m agents.fleet``) and 50 models, against the test database on
-PostgreSQL and a private Redis, two web processes and one worker. It asserts what must hold
-whatever the machine's speed: no GPU or port given twice (the cluster tests' store checker, and
-the fleet's own check of its live engines), every node connected and served its desired state,
-before and after the leader's control plane is killed, no handshake refused, and the store
-connections the web processes hold within their pools. The times are the benchmark's business.
+"""The control plane at fleet scale, scaled down (N15, C7): ``make bench-fleet``'s run
+(bench/fleet.py) with 100 simulated nodes (``python -m agents.fleet``) and 50 models, against
+the test database on PostgreSQL and a private Redis, two web processes and one worker. It
+asserts what must hold whatever the machine's speed: no GPU or port given twice (the cluster
+tests' store checker, and the fleet's own check of its live engines), every node connected and
+served its desired state, before and after the leader's control plane is killed, no handshake
+refused, and the store connections the web processes hold within their pools. The times are
+the benchmark's business.
 """
 
 from __future__ import annotations
