@@ -642,11 +642,12 @@ class Reconciler:
                 logger.debug("tick: follower (epoch %s)", self.leadership.epoch)
                 return TickResult(acted=False, epoch=self.leadership.epoch)
             try:
-                result = tick(
-                    self.leadership,
-                    budget=settings.LLMGW_RECONCILE_TICK_BUDGET,
-                    resume_after=self.resume_after,
-                )
+                with nudges.batched():
+                    result = tick(
+                        self.leadership,
+                        budget=settings.LLMGW_RECONCILE_TICK_BUDGET,
+                        resume_after=self.resume_after,
+                    )
                 self.resume_after = result.resume_after
                 logger.debug(
                     "tick: leader epoch %s, %s placed, %s changed, %.0f ms",

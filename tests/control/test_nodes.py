@@ -409,6 +409,29 @@ def test_a_nudge_bumps_the_revision_and_reaches_the_node_after_commit() -> None:
 
 
 @committed
+def test_nudges_of_a_batch_leave_when_it_ends_once_per_node() -> None:
+    node, _ = issue_node("n1")
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(nudges.node_group(node.pk), channel)
+
+    async def waiting() -> int:
+        return int(layer.channels[channel].qsize()) if channel in layer.channels else 0
+
+    with nudges.batched():
+        for _ in range(3):
+            with transaction.atomic():
+                nudges.nudge_node(node.pk)
+        assert async_to_sync(waiting)() == 0  # committed, kept for the end of the batch
+        with pytest.raises(RuntimeError), transaction.atomic():
+            nudges.nudge_node(node.pk)
+            raise RuntimeError("rolled back")
+    assert Node.objects.get(pk=node.pk).desired_revision == 3
+    assert async_to_sync(waiting)() == 1
+    assert async_to_sync(layer.receive)(channel) == {"type": nudges.DESIRED_CHANGED}
+
+
+@committed
 def test_a_nudge_through_a_dead_channel_layer_fails_nobody(settings: Any) -> None:
     """The change is committed and the revision bumped; the periodic resync delivers it."""
     settings.CHANNEL_LAYERS = {
