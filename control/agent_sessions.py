@@ -1,7 +1,8 @@
 """One agent's stream, on the control-plane side, whatever carries it.
 
 :class:`AgentSession` holds the protocol logic: hello first (within a deadline), then status
-and heartbeats in, full desired state out (on connect, on a nudge, on a periodic resync). A
+and heartbeats in, full desired state out (on connect, on a nudge, when the periodic resync
+finds the revision moved, and every few resyncs regardless). A
 transport — the Channels consumer in :mod:`control.consumers`, a gRPC servicer later — only
 moves text frames and calls :meth:`AgentSession.receive`, :meth:`AgentSession.tick`,
 :meth:`AgentSession.send_desired`; authentication happened before the session exists.
@@ -45,6 +46,11 @@ logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
 
 HELLO_TIMEOUT: Final = 10.0
+# The periodic resync sends the full desired state only every this many times; in between it
+# reads the node's revision (one row) and sends only if it moved: a lost nudge is still found
+# within one resync interval, and a thousand streams do not re-read every shard of their node
+# every interval.
+FULL_RESYNC_EVERY: Final = 4
 
 
 def store_threads() -> int:
@@ -193,6 +199,7 @@ class AgentSession:
         self.heartbeat_interval = float(settings.LLMGW_AGENT_HEARTBEAT_INTERVAL)
         self.resync_interval = float(settings.LLMGW_AGENT_RESYNC_INTERVAL)
         self.next_resync = math.inf
+        self.resyncs = 0
         self.revision_poll = float(settings.LLMGW_AGENT_REVISION_POLL)
         self.next_revision_poll = 0.0
         self.beats = Coalescer(health.heartbeat_write_interval(), clock)
@@ -338,7 +345,12 @@ class AgentSession:
                 await self.fail(CloseCode.HELLO_TIMEOUT, f"no hello within {HELLO_TIMEOUT:g}s")
             return
         if now >= self.next_resync:
-            await self.send_desired("resync")
+            self.resyncs += 1
+            if self.resyncs % FULL_RESYNC_EVERY == 0:
+                await self.send_desired("resync")
+            else:
+                self.next_resync = now + self.resync_interval
+                await self._send_if_revised()
         elif self.revision_poll and now >= self.next_revision_poll:
             self.next_revision_poll = now + self.revision_poll
             await self._send_if_revised()

@@ -42,7 +42,7 @@ from agents.protocol import (
     encode,
 )
 from control import agent_reports, desired_state, health, node_tokens, nudges
-from control.agent_sessions import AgentSession, HeartbeatWriter
+from control.agent_sessions import FULL_RESYNC_EVERY, AgentSession, HeartbeatWriter
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 from control.routing import websocket_urlpatterns
 from tests.harness.clock import FakeClock
@@ -522,6 +522,7 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock: FakeClock, settings: Any
 ) -> None:
     settings.LLMGW_AGENT_RESYNC_INTERVAL = 10
+    settings.LLMGW_AGENT_REVISION_POLL = 0  # nudges come through the channel layer
     node, _ = await database_sync_to_async(issue_node)("n1")
     transport = FakeTransport()
     session = AgentSession(node_tokens.NodeIdentity(node.pk, "n1"), transport, clock=fake_clock)
@@ -533,9 +534,20 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock.advance(9)
     await session.tick()
     assert len(transport.sent) == 2
+    # A resync whose revision did not move sends nothing...
     fake_clock.advance(1)
     await session.tick()
-    assert json.loads(transport.sent[-1])["type"] == "desired" and len(transport.sent) == 3
+    assert len(transport.sent) == 2
+    # ...one that finds a change (a nudge lost on the way) sends the full state...
+    await Node.objects.filter(pk=node.pk).aupdate(desired_revision=5)
+    fake_clock.advance(10)
+    await session.tick()
+    assert len(transport.sent) == 3 and json.loads(transport.sent[-1])["revision"] == 5
+    # ...and every FULL_RESYNC_EVERY-th resync sends it regardless.
+    for _ in range(FULL_RESYNC_EVERY):
+        fake_clock.advance(10)
+        await session.tick()
+    assert len(transport.sent) == 4 and json.loads(transport.sent[-1])["type"] == "desired"
 
 
 @committed
