@@ -55,26 +55,40 @@ FULL_RESYNC_EVERY: Final = 4
 
 def store_threads() -> int:
     """Threads that run the streams' store work. One by default, as Channels does it: every
-    stream of the process waits on one thread. With a PostgreSQL pool, as many as the pool has
-    connections: a thousand agents reconnecting at once queue behind one thread for tens of
-    seconds, and the store has cores of its own. SQLite keeps one writer anyway."""
+    stream of the process waits on one thread. With a PostgreSQL pool, all the pool's
+    connections but the one the heartbeat writer keeps: a thousand agents reconnecting at once
+    queue behind one thread for tens of seconds, and the store has cores of its own. SQLite
+    keeps one writer anyway."""
     pool = connections["default"].settings_dict.get("OPTIONS", {}).get("pool")
     if isinstance(pool, dict):
-        return max(1, int(pool.get("max_size", 1)))
+        return max(1, int(pool.get("max_size", 2)) - 1)
     return 1
 
 
-_store_executor: ThreadPoolExecutor | None = None
+_executors: dict[str, ThreadPoolExecutor] = {}
+
+
+def _executor(name: str, threads: int) -> ThreadPoolExecutor:
+    if name not in _executors:
+        _executors[name] = ThreadPoolExecutor(threads, thread_name_prefix=f"llmgw-{name}")
+    return _executors[name]
 
 
 def in_store_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]:
     """``func`` made awaitable on the streams' store threads (connections closed or given back
     to the pool around each call, as Channels' ``database_sync_to_async`` does)."""
-    global _store_executor
-    if _store_executor is None:
-        _store_executor = ThreadPoolExecutor(store_threads(), thread_name_prefix="llmgw-store")
     wrapped: Callable[..., Awaitable[_R]] = database_sync_to_async(
-        func, thread_sensitive=False, executor=_store_executor
+        func, thread_sensitive=False, executor=_executor("store", store_threads())
+    )
+    return wrapped
+
+
+def in_heartbeat_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]:
+    """``func`` made awaitable on a thread of its own: the heartbeat write must never wait
+    behind a queue of hellos and desired states (measured at 1,000 nodes: it waited more
+    than the unreachable threshold, and live nodes flapped to unreachable)."""
+    wrapped: Callable[..., Awaitable[_R]] = database_sync_to_async(
+        func, thread_sensitive=False, executor=_executor("heartbeats", 1)
     )
     return wrapped
 
@@ -129,7 +143,7 @@ class HeartbeatWriter:
         if not ids:
             return 0
         try:
-            await in_store_thread(agent_reports.record_heartbeats)(ids)
+            await in_heartbeat_thread(agent_reports.record_heartbeats)(ids)
         except BaseException:
             self.pending |= ids
             raise
