@@ -143,7 +143,7 @@ def fresh_database(url: str) -> None:
         admin.execute(f"CREATE DATABASE {name}")
 
 
-def sql(query: str, *params: object) -> list[tuple[Any, ...]]:
+def sql(query: str, *params: Any) -> list[tuple[Any, ...]]:
     from django.db import connection
 
     with connection.cursor() as cursor:

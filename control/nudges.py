@@ -9,6 +9,9 @@ visible.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 from asgiref.sync import async_to_sync
@@ -42,10 +45,60 @@ def nudge_node(node_id: int) -> None:
     send_on_commit(node_id, DESIRED_CHANGED)
 
 
+_batch = threading.local()
+
+
+@contextmanager
+def batched() -> Iterator[None]:
+    """Nudges committed inside the block go out together when it ends, each node's once.
+
+    A tick that places hundreds of replicas would otherwise open the channel layer once per
+    placement (from sync code, each send runs an event loop and a connection of its own: a
+    few milliseconds each, measured at a thousand nodes). They leave at most one tick late;
+    a nudge is a hint, the desired state itself is read from the store."""
+    pending: dict[tuple[int, str], dict[str, Any]] = {}
+    _batch.pending = pending
+    try:
+        yield
+    finally:
+        _batch.pending = None
+        _send_all(pending)
+
+
 def send_on_commit(node_id: int, message_type: str, **extra: Any) -> None:
     """Send to the node's streams once the current transaction commits (never if it rolls
-    back)."""
-    transaction.on_commit(lambda: send_to_node(node_id, message_type, **extra))
+    back); inside :func:`batched`, when the block ends."""
+    transaction.on_commit(lambda: _send_or_keep(node_id, message_type, extra))
+
+
+def _send_or_keep(node_id: int, message_type: str, extra: dict[str, Any]) -> None:
+    pending: dict[tuple[int, str], dict[str, Any]] | None = getattr(_batch, "pending", None)
+    if pending is None:
+        send_to_node(node_id, message_type, **extra)
+    else:
+        pending[(node_id, message_type)] = extra
+
+
+def _send_all(pending: dict[tuple[int, str], dict[str, Any]]) -> None:
+    layer = get_channel_layer()
+    if layer is None or not pending:
+        return
+
+    async def send() -> None:
+        # One after the other on one connection: hundreds at once would exhaust the layer's
+        # connection pool.
+        for (node_id, message_type), extra in pending.items():
+            await layer.group_send(node_group(node_id), {"type": message_type, **extra})
+
+    try:
+        async_to_sync(send)()
+    except Exception as exc:
+        logger.warning(
+            "%d nudge(s) not all delivered through the channel layer (%s); the periodic "
+            "resync will deliver the changes",
+            len(pending),
+            type(exc).__name__,
+        )
 
 
 def send_to_node(node_id: int, message_type: str, **extra: Any) -> bool:

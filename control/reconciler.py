@@ -148,8 +148,10 @@ _NODE_FIELDS = (
 def read_nodes() -> dict[int, NodeView]:
     """Every node and its GPUs: two set-based queries, whatever the size of the fleet."""
     nodes = {
-        row[0]: NodeView(*row, gpus=[])
-        for row in Node.objects.order_by("pk").values_list(*_NODE_FIELDS)
+        pk: NodeView(pk, name, health, schedule, labels, port_min, port_max, report, remove)
+        for pk, name, health, schedule, labels, port_min, port_max, report, remove in (
+            Node.objects.order_by("pk").values_list(*_NODE_FIELDS)
+        )
     }
     for node_id, index, total, used in Gpu.objects.order_by("node_id", "index").values_list(
         "node_id", "index", "memory_total_mib", "memory_used_mib"
@@ -854,11 +856,12 @@ class Reconciler:
                 return TickResult(acted=False, epoch=self.leadership.epoch)
             try:
                 self.leadership = leases.advance_epoch(self.leadership, highest_agent_epoch())
-                result = tick(
-                    self.leadership,
-                    budget=settings.LLMGW_RECONCILE_TICK_BUDGET,
-                    resume_after=self.resume_after,
-                )
+                with nudges.batched():
+                    result = tick(
+                        self.leadership,
+                        budget=settings.LLMGW_RECONCILE_TICK_BUDGET,
+                        resume_after=self.resume_after,
+                    )
                 self.resume_after = result.resume_after
                 logger.debug(
                     "tick: leader epoch %s, %s placed, %s changed, %.0f ms",

@@ -42,7 +42,7 @@ from agents.protocol import (
     encode,
 )
 from control import agent_reports, desired_state, health, node_tokens, nudges
-from control.agent_sessions import AgentSession, HeartbeatWriter
+from control.agent_sessions import FULL_RESYNC_EVERY, AgentSession, HeartbeatWriter
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 from control.routing import websocket_urlpatterns
 from tests.harness.clock import FakeClock
@@ -456,6 +456,29 @@ def test_a_nudge_bumps_the_revision_and_reaches_the_node_after_commit() -> None:
 
 
 @committed
+def test_nudges_of_a_batch_leave_when_it_ends_once_per_node() -> None:
+    node, _ = issue_node("n1")
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(nudges.node_group(node.pk), channel)
+
+    async def waiting() -> int:
+        return int(layer.channels[channel].qsize()) if channel in layer.channels else 0
+
+    with nudges.batched():
+        for _ in range(3):
+            with transaction.atomic():
+                nudges.nudge_node(node.pk)
+        assert async_to_sync(waiting)() == 0  # committed, kept for the end of the batch
+        with pytest.raises(RuntimeError), transaction.atomic():
+            nudges.nudge_node(node.pk)
+            raise RuntimeError("rolled back")
+    assert Node.objects.get(pk=node.pk).desired_revision == 3
+    assert async_to_sync(waiting)() == 1
+    assert async_to_sync(layer.receive)(channel) == {"type": nudges.DESIRED_CHANGED}
+
+
+@committed
 def test_a_nudge_through_a_dead_channel_layer_fails_nobody(settings: Any) -> None:
     """The change is committed and the revision bumped; the periodic resync delivers it."""
     settings.CHANNEL_LAYERS = {
@@ -546,7 +569,8 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock: FakeClock, settings: Any
 ) -> None:
     settings.LLMGW_AGENT_RESYNC_INTERVAL = 10
-    _, token = await database_sync_to_async(issue_node)("n1")
+    settings.LLMGW_AGENT_REVISION_POLL = 0  # nudges come through the channel layer
+    node, token = await database_sync_to_async(issue_node)("n1")
     transport = FakeTransport()
     identity = await database_sync_to_async(node_tokens.authenticate)(token, "n1")
     session = AgentSession(identity, transport, clock=fake_clock)
@@ -558,9 +582,20 @@ async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock.advance(9)
     await session.tick()
     assert len(transport.sent) == 2
+    # A resync whose revision did not move sends nothing...
     fake_clock.advance(1)
     await session.tick()
-    assert json.loads(transport.sent[-1])["type"] == "desired" and len(transport.sent) == 3
+    assert len(transport.sent) == 2
+    # ...one that finds a change (a nudge lost on the way) sends the full state...
+    await Node.objects.filter(pk=node.pk).aupdate(desired_revision=5)
+    fake_clock.advance(10)
+    await session.tick()
+    assert len(transport.sent) == 3 and json.loads(transport.sent[-1])["revision"] == 5
+    # ...and every FULL_RESYNC_EVERY-th resync sends it regardless.
+    for _ in range(FULL_RESYNC_EVERY):
+        fake_clock.advance(10)
+        await session.tick()
+    assert len(transport.sent) == 4 and json.loads(transport.sent[-1])["type"] == "desired"
 
 
 @committed
