@@ -21,20 +21,22 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., model: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node", "boot_id", "agent_version", "gpus", "addresses", "port_range")
+    __slots__ = ("node", "boot_id", "agent_version", "gpus", "addresses", "port_range", "highest_epoch")
     NODE_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     PORT_RANGE_FIELD_NUMBER: _ClassVar[int]
+    HIGHEST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node: str
     boot_id: str
     agent_version: str
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     addresses: _containers.RepeatedScalarFieldContainer[str]
     port_range: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node: _Optional[str] = ..., boot_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., addresses: _Optional[_Iterable[str]] = ..., port_range: _Optional[_Iterable[int]] = ...) -> None: ...
+    highest_epoch: int
+    def __init__(self, node: _Optional[str] = ..., boot_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., addresses: _Optional[_Iterable[str]] = ..., port_range: _Optional[_Iterable[int]] = ..., highest_epoch: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("shard_id", "replica_id", "generation", "state", "port", "exit_code", "failure_class", "message", "log_tail", "requests_running", "requests_waiting", "pid")

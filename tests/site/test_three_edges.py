@@ -172,6 +172,9 @@ def scale_form(world: World) -> None:
             "idle_timeout_s": str(model.idle_timeout_s),
             "activation_timeout_s": str(model.activation_timeout_s),
             "max_waiting": str(model.max_waiting),
+            # The counts under its other profiles (an inline of its own): none here.
+            "scales-TOTAL_FORMS": "0",
+            "scales-INITIAL_FORMS": "0",
         },
     )
     assert response.status_code == 302, response.content.decode()[:2000]
