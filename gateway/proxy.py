@@ -104,6 +104,8 @@ class Exchange:
     started: bool = False
     finished: bool = False
     being_counted: bool = False  # its tokens are being counted: the count task finishes it
+    learn_context: bool = False  # ask the engine its context length once this request ends
+    served_by: routing.Upstream | None = None
     tried: set[str] = field(default_factory=set)
 
     @property
@@ -114,6 +116,7 @@ class Exchange:
         self.drop_hold()
         upstreams.acquire(upstream)
         self.holding = upstream
+        self.served_by = upstream
         self.usage.upstream = upstream.id
         if not self.started:
             self.started = True
@@ -142,6 +145,10 @@ class Exchange:
         if self.finished or (self.being_counted and not counted):
             return
         self.finished = True
+        if self.learn_context and self.served_by is not None and self.route is not None:
+            # Only after the answer: llama-cpp-python's server interrupts the stream it is
+            # generating when another request arrives.
+            counting.learn_context_length(pool(), self.served_by.base_url, self.route.name)
         self.drop_hold()
         usage = self.usage
         usage.status = status
@@ -302,18 +309,22 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
     ex.route = route
     if body.model != route.name:
         ex.body = body = body.for_model(route.name)
+    context_length = route.context_length or counting.context_length(
+        [u.base_url for u in route.upstreams], route.name
+    )
     plan = limits.plan(
         len(raw),
         body.max_tokens,
         body.n,
         generates=ex.api_route.tag == "generation",
-        context_length=route.context_length
-        or counting.context_length([u.base_url for u in route.upstreams], route.name),
+        context_length=context_length,
     )
     ex.reservation = await limits.reserve(ex.key, plan.tokens)
     if plan.output_cap is not None and ex.reservation.token_counters():
         # A token limit applies: the engine is told the cap that was reserved, never more.
         ex.body = body = payload.with_output_cap(body, ex.api_route, plan.output_cap)
+        # Reserved by the default for want of the context length: learn it for next time.
+        ex.learn_context = body.max_tokens is None and context_length is None
     upstreams.note_request(route, None)
     if not route.upstreams:
         if body.stream:
@@ -572,8 +583,6 @@ async def _attempt(
             response.close()
         raise
     ex.first_byte()
-    if ex.route is not None and ex.route.context_length is None:
-        counting.learn_context_length(pool(), upstream.base_url, ex.route.name)
     return Opened(upstream, response, first, complete)
 
 
