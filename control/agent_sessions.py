@@ -348,8 +348,14 @@ class AgentSession:
             await in_store_thread(agent_reports.record_status)(self.identity.id, changed, report)
         if beat:
             self.heartbeats.mark(self.identity.id)
-        # Remembered only once written: a failed write is retried with the next status.
-        written.shards = {r.shard_id: r for r in status.shards}
+        # Remembered only once written: a failed write is retried with the next status, and a
+        # load change that arrived between beats is written at the next one, not forgotten
+        # (a stale "requests running" would keep its replica from ever being idle).
+        kept = {r.shard_id: r for r in changed}
+        written.shards = {
+            r.shard_id: kept.get(r.shard_id, written.shards.get(r.shard_id, r))
+            for r in status.shards
+        }
         written.revision = status.observed_revision
         written.stale_rejected = status.stale_rejected
         written.weights = status.weights

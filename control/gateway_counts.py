@@ -84,6 +84,10 @@ def _use_redis() -> bool:
     return bool(settings.REDIS_URL)
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _redis_alive_prefix() -> str:
     return _ALIVE.format(process="")
 
@@ -134,19 +138,26 @@ def in_flight_by_replica() -> dict[int, int]:
     """Requests in flight per replica, summed over the live web processes."""
     if _use_redis():
         client = _client()
+        keys = [
+            key
+            for key in client.scan_iter(match=f"llmgw:gw:{IN_FLIGHT}:*", count=500)
+            if _text(key).rsplit(":", 1)[1].isdigit()
+        ]
+        # Three round trips whatever the fleet's size: the keys, their fields, the markers.
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        fields: list[dict[Any, Any]] = pipe.execute()
+        processes = sorted({_text(p) for counts in fields for p in counts})
+        pipe = client.pipeline(transaction=False)
+        for process in processes:
+            pipe.exists(_ALIVE.format(process=process))
+        alive = {p for p, live in zip(processes, pipe.execute(), strict=True) if live}
         out: dict[int, int] = {}
-        for key in client.scan_iter(match=f"llmgw:gw:{IN_FLIGHT}:*", count=500):
-            name = key.decode() if isinstance(key, bytes) else str(key)
-            subject = name.rsplit(":", 1)[1]
-            if not subject.isdigit():
-                continue
-            total = 0
-            for process, count in client.hgetall(key).items():
-                proc = process.decode() if isinstance(process, bytes) else str(process)
-                if client.exists(_ALIVE.format(process=proc)):
-                    total += int(count)
+        for key, counts in zip(keys, fields, strict=True):
+            total = sum(int(n) for p, n in counts.items() if _text(p) in alive)
             if total > 0:
-                out[int(subject)] = total
+                out[int(_text(key).rsplit(":", 1)[1])] = total
         return out
     fresh = timezone.now() - timedelta(seconds=STALE_AFTER_S)
     rows = (

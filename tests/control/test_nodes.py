@@ -565,6 +565,37 @@ async def test_one_write_brings_the_heartbeats_of_many_streams(
 
 
 @committed
+async def test_a_load_change_between_beats_is_written_at_the_next_beat(
+    fake_clock: FakeClock, settings: Any
+) -> None:
+    """Engine load is written coalesced, never lost: a replica whose engine reported
+    "one running" and then "none" must not stay busy in the store."""
+    settings.LLMGW_UNREACHABLE_AFTER = 15  # beats at most every 5s
+    node, _ = await database_sync_to_async(issue_node)("n1")
+    shard = await database_sync_to_async(shard_on)(node)
+    session = AgentSession(
+        node_tokens.NodeIdentity(node.pk, "n1"), FakeTransport(), clock=fake_clock
+    )
+    await session.receive(encode(hello()))
+
+    def status(running: int) -> str:
+        ready = report(shard, ShardState.READY, requests_running=running)
+        return encode(Status(observed_revision=0, observed_epoch=0, shards=(ready,)))
+
+    fake_clock.advance(6)
+    await session.receive(status(1))  # a beat: written
+    assert (await Shard.objects.aget(pk=shard.pk)).requests_running == 1
+    fake_clock.advance(1)
+    await session.receive(status(0))  # between beats: not written yet
+    assert (await Shard.objects.aget(pk=shard.pk)).requests_running == 1
+    fake_clock.advance(1)
+    await session.receive(status(0))
+    fake_clock.advance(5)
+    await session.receive(status(0))  # the next beat writes what changed meanwhile
+    assert (await Shard.objects.aget(pk=shard.pk)).requests_running == 0
+
+
+@committed
 async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock: FakeClock, settings: Any
 ) -> None:
