@@ -38,11 +38,17 @@ def test_every_test_the_document_names_exists() -> None:
 
 
 def test_every_code_a_test_cites_is_defined_in_the_document() -> None:
-    defined = set(re.findall(r"^\| ([LCNGUA]\d+) \|", DOC.read_text(), flags=re.M))
+    defined = set(re.findall(r"^\| ([LCNGUAS]\d+) \|", DOC.read_text(), flags=re.M))
     cited: set[str] = set()
     for module in TESTS.rglob("test_*.py"):
         cited.update(
-            re.findall(r"\[([LCNGUA]\d{1,2})\]|\b([LCNGUA]\d{1,2})\b:", module.read_text())
+            re.findall(r"\[([LCNGUAS]\d{1,2})\]|\b([LCNGUAS]\d{1,2})\b:", module.read_text())
         )
     codes = {code for pair in cited for code in pair if code}
     assert codes and codes <= defined, sorted(codes - defined)
+
+
+def test_every_scenario_code_is_defined_once() -> None:
+    codes = re.findall(r"^\| ([LCNGUAS]\d+) \|", DOC.read_text(), flags=re.M)
+    assert len(codes) > 60
+    assert sorted(c for c in set(codes) if codes.count(c) > 1) == []
