@@ -56,6 +56,10 @@ committed = pytest.mark.django_db(transaction=True)
 
 NOW = timezone.now()
 
+# Channels waits 1 s by default; the handshake does store work, which a loaded machine can
+# make slower than that without anything being wrong.
+CONNECT_TIMEOUT = 30
+
 
 # --------------------------------------------------------------------------- factories
 
@@ -725,15 +729,15 @@ async def test_the_stream_refuses_handshakes_without_a_valid_token(token: str) -
         (token, "n2"),
     ]:
         comm = communicator(bearer, claimed)
-        connected, code = await comm.connect()
+        connected, code = await comm.connect(timeout=CONNECT_TIMEOUT)
         assert (connected, code) == (False, CloseCode.UNAUTHORIZED)
     comm = WebsocketCommunicator(APP, "/somewhere/else")
-    assert (await comm.connect())[0] is False
+    assert (await comm.connect(timeout=CONNECT_TIMEOUT))[0] is False
 
 
 async def _open(token: str) -> WebsocketCommunicator:
     comm = communicator(token)
-    connected, _ = await comm.connect()
+    connected, _ = await comm.connect(timeout=CONNECT_TIMEOUT)
     assert connected
     await comm.send_to(text_data=encode(hello()))
     assert decode_server_message(await comm.receive_from()).TYPE == "welcome"
@@ -755,7 +759,7 @@ async def test_hello_is_answered_with_welcome_and_the_full_desired_state(token: 
     node = await Node.objects.aget(name="n1")
     shard = await database_sync_to_async(shard_on)(node)
     comm = communicator(token)
-    assert (await comm.connect())[0]
+    assert (await comm.connect(timeout=CONNECT_TIMEOUT))[0]
     await comm.send_to(text_data=encode(hello()))
     welcome = decode_server_message(await comm.receive_from())
     assert welcome.TYPE == "welcome" and welcome.heartbeat_interval > 0  # type: ignore[union-attr]
@@ -796,7 +800,7 @@ async def test_bad_frames_are_answered_with_an_error_and_a_close_code(
     token: str, frame: str | bytes, code: CloseCode, words: str
 ) -> None:
     comm = communicator(token)
-    assert (await comm.connect())[0]
+    assert (await comm.connect(timeout=CONNECT_TIMEOUT))[0]
     if isinstance(frame, bytes):
         await comm.send_to(bytes_data=frame)
     else:
