@@ -47,8 +47,11 @@ logger = logging.getLogger("llmgw.webserver")
 CUT_MARGIN_SECONDS = 3.0
 # Signals this close together are one stop told twice, not an operator insisting.
 SAME_STOP_SECONDS = 2.0
-# A stopping process closes a kept-alive connection once it has been idle this long.
-IDLE_LINGER_SECONDS = 1.0
+# A stopping process closes a kept-alive connection once it has been idle this long: longer
+# than the common clients' own idle expiry (httpx, and so the openai client: 5 s), so that the
+# client drops the connection first and never sends a request into the server's close. (At
+# 1 s, a loaded machine showed one such request error in a rolling restart of 200 streams.)
+IDLE_LINGER_SECONDS = 10.0
 # Longer than a balancer's or client pool's own idle timeout (60 s is common), so that the
 # client side closes first and never sends on a connection the server is closing.
 KEEP_ALIVE_SECONDS = 75
