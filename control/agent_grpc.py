@@ -10,6 +10,10 @@ listener (TLS when ``init_ca`` made a server certificate) takes the node token f
 
 A close is the end of the call: the session's error message is the last frame, the protocol's
 close code is in the trailing metadata, and gRPC's status says the same in gRPC's words.
+
+A listener that is told to stop (SIGTERM from ``manage.py run``) stops taking calls and ends
+every open stream with 1012, service restart, as a draining web process does for WebSocket
+streams: the agents reconnect to another control plane at once instead of backing off.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 _STATUS: Final[dict[int, grpc.StatusCode]] = {
     CloseCode.NORMAL: grpc.StatusCode.OK,
     CloseCode.GOING_AWAY: grpc.StatusCode.UNAVAILABLE,
+    CloseCode.SERVICE_RESTART: grpc.StatusCode.UNAVAILABLE,
     CloseCode.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
     CloseCode.UNAUTHORIZED: grpc.StatusCode.UNAUTHENTICATED,
     CloseCode.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
@@ -104,6 +109,19 @@ class AgentServicer:
 
     def __init__(self, *, require_identity: bool) -> None:
         self.require_identity = require_identity
+        self.sessions: set[AgentSession] = set()  # the streams open now, for a stop to end
+
+    async def end_all_streams(self) -> int:
+        """Close every open stream with 1012 (this listener is stopping: reconnect elsewhere,
+        now); returns how many there were."""
+        sessions = list(self.sessions)
+        for session in sessions:
+            with contextlib.suppress(Exception):  # a stream that broke meanwhile is ended anyway
+                await session.fail(
+                    CloseCode.SERVICE_RESTART,
+                    "this control plane is stopping; reconnect to another one",
+                )
+        return len(sessions)
 
     async def stream(self, _requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         metadata = {k: str(v) for k, v in context.invocation_metadata() or ()}
@@ -124,6 +142,7 @@ class AgentServicer:
             return
         transport = _Stream(context)
         session = AgentSession(identity, transport)
+        self.sessions.add(session)
         tasks = {
             asyncio.create_task(self._read(context, session), name="read"),
             asyncio.create_task(_tick(session), name="tick"),
@@ -141,6 +160,7 @@ class AgentServicer:
                         exc_info=task.exception(),
                     )
         finally:
+            self.sessions.discard(session)
             session.disconnected()
             for task in tasks:
                 task.cancel()
@@ -266,6 +286,9 @@ def server_credentials(ca_dir: Path, *, require_identity: bool) -> grpc.ServerCr
     )
 
 
+# How long the streams a stop ended have to finish their call before it is cancelled.
+STOP_GRACE_S: Final = 2.0
+
 SERVER_OPTIONS: Final = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -280,8 +303,9 @@ SERVER_OPTIONS: Final = [
 
 def build_server(
     listen: str, *, ca_dir: Path, require_identity: bool
-) -> tuple[grpc.aio.Server, int, bool]:
-    """The server with the servicer and its port bound (not started): (server, port, tls)."""
+) -> tuple[grpc.aio.Server, AgentServicer, int, bool]:
+    """The server with the servicer and its port bound (not started):
+    (server, servicer, port, tls)."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = AgentServicer(require_identity=require_identity)
     handler = grpc.method_handlers_generic_handler(
@@ -300,7 +324,7 @@ def build_server(
         port = server.add_insecure_port(listen)
     else:
         port = server.add_secure_port(listen, credentials)
-    return server, port, credentials is not None
+    return server, servicer, port, credentials is not None
 
 
 async def serve(
@@ -319,7 +343,7 @@ async def serve(
         if require_identity is None
         else require_identity
     )
-    server, port, tls = build_server(listen, ca_dir=ca, require_identity=require)
+    server, servicer, port, tls = build_server(listen, ca_dir=ca, require_identity=require)
     await server.start()
     logger.info(
         "agent gRPC listener on %s (port %s, %s)",
@@ -339,4 +363,10 @@ async def serve(
         if result is not None:
             await result
     await stop.wait()
-    await server.stop(grace=2)
+    # New calls are refused from here on (an agent must not come back to this listener);
+    # the open streams are then told to go elsewhere, and get a short grace to end.
+    stopping = asyncio.create_task(server.stop(grace=STOP_GRACE_S))
+    await asyncio.sleep(0)
+    ended = await servicer.end_all_streams()
+    logger.info("agent gRPC listener stopping: %d stream(s) told to reconnect elsewhere", ended)
+    await stopping

@@ -180,7 +180,22 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
     # Transport for AgentSession --------------------------------------------------------------
 
     async def send_text(self, text: str) -> None:
-        await self.send(text_data=text)
+        try:
+            await self.send(text_data=text)
+        except OSError:
+            # The agent is gone (uvicorn raises ClientDisconnected, an OSError, where Daphne
+            # dropped the frame). Raised out of a handler it would end this consumer before
+            # its disconnect() ran, leaving the ticker and the session live for ever; the
+            # stream is over instead, and the disconnect event already queued cleans up.
+            self._client_gone()
+
+    async def close(self, code: int | bool | None = None, reason: str | None = None) -> None:
+        with contextlib.suppress(OSError):  # already gone: nothing left to close
+            await super().close(code, reason)
+
+    def _client_gone(self) -> None:
+        if self.session is not None:
+            self.session.disconnected()
 
     # Frames and group messages --------------------------------------------------------------
 
