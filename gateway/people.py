@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
 
 from gateway import limits, rollups
 from gateway.models import ApiKey, TeamLimits, UserLimits
@@ -130,3 +131,83 @@ def narrowing_problems(
             if limit is not None and asked is not None and asked > limit:
                 problems.append(f"{label} {asked} is above {view.holder}'s {limit}")
     return problems
+
+
+# --------------------------------------------------------------------------- changes
+
+# What a user's or team's limits row holds (a user's also ``self_service``).
+LIMIT_FIELDS = ("allowed_models", "rpm_limit", "tpm_limit", "token_budget", "budget_period")
+_PERIODS = frozenset(ApiKey.BudgetPeriod.values)
+
+
+class LimitsInvalid(ValueError):
+    """A limit value no holder can have; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _checked(changes: dict[str, object], allowed: frozenset[str]) -> dict[str, object]:
+    """The changes, normalised (a model list sorted and without repeats), or LimitsInvalid.
+    Every edge (the admin's form, the admin API) has already checked its own input; this is the
+    last word, so a shell or a future edge cannot store a limit the request path misreads."""
+    out: dict[str, object] = {}
+    for name, given in changes.items():
+        value = given
+        if name not in allowed:
+            raise LimitsInvalid(name, f"{name} is not a limit")
+        if name == "allowed_models":
+            if not isinstance(value, list) or not all(isinstance(m, str) and m for m in value):
+                raise LimitsInvalid(name, "a list of model names; empty: every model")
+            value = sorted(set(value))
+        elif name == "budget_period":
+            if value not in _PERIODS:
+                raise LimitsInvalid(name, f"one of {', '.join(sorted(_PERIODS))}")
+        elif name == "self_service":
+            if not isinstance(value, bool):
+                raise LimitsInvalid(name, "true or false")
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise LimitsInvalid(name, "a whole number, or null for no limit")
+        elif value is not None and value < 0:
+            raise LimitsInvalid(name, "zero or more, or null for no limit")
+        out[name] = value
+    return out
+
+
+def set_user_limits(user_id: int, **changes: object) -> UserLimits:
+    """Set the given limits (and ``self_service``) of one user, making their limits row if
+    they have none; fields not given keep their value. Keys take the change up within the
+    key cache's TTL. The one function the admin's user limits page and the admin API call."""
+    values = _checked(changes, frozenset({*LIMIT_FIELDS, "self_service"}))
+    with transaction.atomic():
+        row, _ = UserLimits.objects.select_for_update().get_or_create(user_id=user_id)
+        for name, value in values.items():
+            setattr(row, name, value)
+        row.save()
+    return row
+
+
+def set_team_limits(team_id: int, **changes: object) -> TeamLimits:
+    """Set the given limits of one team (a Django group), making its limits row if it has
+    none; fields not given keep their value. See :func:`set_user_limits`."""
+    values = _checked(changes, frozenset(LIMIT_FIELDS))
+    with transaction.atomic():
+        row, _ = TeamLimits.objects.select_for_update().get_or_create(team_id=team_id)
+        for name, value in values.items():
+            setattr(row, name, value)
+        row.save()
+    return row
+
+
+def clear_user_limits(user_id: int) -> bool:
+    """No limits of the user's own any more (their keys' and teams' still apply), and
+    self-service back on. True if there were any."""
+    deleted, _ = UserLimits.objects.filter(user_id=user_id).delete()
+    return bool(deleted)
+
+
+def clear_team_limits(team_id: int) -> bool:
+    """No limits of the team's any more. True if there were any."""
+    deleted, _ = TeamLimits.objects.filter(team_id=team_id).delete()
+    return bool(deleted)
