@@ -1032,9 +1032,11 @@ def _team_pk(name: str) -> int:
     return int(pk)
 
 
-def _set_limits(change: Callable[..., Any], holder: int, changes: dict[str, Any]) -> Any:
+def _set_limits(
+    request: HttpRequest, change: Callable[..., Any], holder: int, changes: dict[str, Any]
+) -> Any:
     try:
-        return change(holder, **changes)
+        return change(holder, actor=caller(request).actor, **changes)
     except gateway_people.LimitsInvalid as exc:
         raise ApiError(422, "invalid", str(exc), exc.field) from None
 
@@ -1050,14 +1052,16 @@ def get_user_limits(request: HttpRequest, username: str) -> Any:
 def update_user_limits(request: HttpRequest, username: str, payload: UserLimitsPatch) -> Any:
     """Change the given limits; keys take the change up within the key cache's TTL."""
     changes = _limits_changes(payload)
-    row = _set_limits(gateway_people.set_user_limits, _user_pk(username), changes)
+    row = _set_limits(request, gateway_people.set_user_limits, _user_pk(username), changes)
     return _limits_out(row, gateway_people.user_spend)
 
 
 @people_router.delete("/users/{username}/limits", response=Changed)
 def clear_user_limits(request: HttpRequest, username: str) -> Any:
     """No limits of the user's own (their keys' and teams' still apply); self-service on."""
-    return {"changed": gateway_people.clear_user_limits(_user_pk(username))}
+    return {
+        "changed": gateway_people.clear_user_limits(_user_pk(username), actor=caller(request).actor)
+    }
 
 
 @people_router.get("/teams/{name}/limits", response=LimitsOut)
@@ -1070,13 +1074,17 @@ def get_team_limits(request: HttpRequest, name: str) -> Any:
 @people_router.patch("/teams/{name}/limits", response=LimitsOut)
 def update_team_limits(request: HttpRequest, name: str, payload: LimitsPatch) -> Any:
     """Change the given limits; keys take the change up within the key cache's TTL."""
-    row = _set_limits(gateway_people.set_team_limits, _team_pk(name), _limits_changes(payload))
+    row = _set_limits(
+        request, gateway_people.set_team_limits, _team_pk(name), _limits_changes(payload)
+    )
     return _limits_out(row, gateway_people.team_spend)
 
 
 @people_router.delete("/teams/{name}/limits", response=Changed)
 def clear_team_limits(request: HttpRequest, name: str) -> Any:
-    return {"changed": gateway_people.clear_team_limits(_team_pk(name))}
+    return {
+        "changed": gateway_people.clear_team_limits(_team_pk(name), actor=caller(request).actor)
+    }
 
 
 class KeyOut(Schema):

@@ -479,10 +479,21 @@ def test_user_limits_read_set_and_clear_bind_the_users_keys(api: Api) -> None:
         (f"user:{key.user_id}", 30, 5000)
     ]
 
+    event = Event.objects.get(subject="user/alice")
+    assert event.kind == Event.Kind.OPERATOR and event.message.startswith("limits set by token:")
+    assert event.data["changes"]["rpm_limit"] == {"from": None, "to": 30}
+    assert event.data["changes"]["self_service"] == {"from": True, "to": False}
+
     # A partial change keeps the rest; null lifts one limit.
     status, body = api.call("PATCH", "/users/alice/limits", {"rpm_limit": None})
     assert status == 200 and body["rpm_limit"] is None and body["token_budget"] == 5000
     assert not people.self_service_allowed(key.user_id)
+    assert Event.objects.filter(subject="user/alice").latest("id").message == (
+        "limits changed by token:tests: rpm_limit 30 → none"
+    )
+    # The same values again change nothing, and say nothing.
+    assert api.call("PATCH", "/users/alice/limits", {"rpm_limit": None})[0] == 200
+    assert Event.objects.filter(subject="user/alice").count() == 2
 
     # What alice used today counts against her budget.
     make_usage(model="llama3", api_key=key, prompt_tokens=40, completion_tokens=2)
@@ -491,6 +502,9 @@ def test_user_limits_read_set_and_clear_bind_the_users_keys(api: Api) -> None:
     assert api.call("DELETE", "/users/alice/limits")[1] == {"changed": True}
     assert api.call("DELETE", "/users/alice/limits")[1] == {"changed": False}
     assert not UserLimits.objects.exists() and people.self_service_allowed(key.user_id)
+    assert Event.objects.filter(subject="user/alice").latest("id").message == (
+        "limits removed by token:tests"
+    )
     assert not effective(key).scopes
 
 

@@ -179,7 +179,9 @@ def fleet() -> dict[str, int]:
     _, key = make_key("alice", name="ci")
     team = Group.objects.create(name="research")
     team.user_set.add(key.user_id)
-    gateway_people.set_user_limits(key.user_id, rpm_limit=100, allowed_models=["llama3", "qwen"])
+    gateway_people.set_user_limits(
+        key.user_id, actor="setup", rpm_limit=100, allowed_models=["llama3", "qwen"]
+    )
     return {
         "node": node.pk,
         "drained": drained.pk,

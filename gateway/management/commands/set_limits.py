@@ -8,6 +8,7 @@ Prints the limits as they now stand.
 
 from __future__ import annotations
 
+import getpass
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -16,6 +17,15 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from gateway import people
 from gateway.models import ApiKey, TeamLimits, UserLimits
+
+
+def cli_actor() -> str:
+    """Who did it, for the audit trail: the operating-system user running the command (as the
+    fleet's commands say it)."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        return "cli"
 
 
 def limit(text: str) -> int | None:
@@ -93,7 +103,7 @@ class Command(BaseCommand):
         if user_id is None:
             raise CommandError(f"no user {username!r}")
         if clear:
-            done = people.clear_user_limits(user_id)
+            done = people.clear_user_limits(user_id, actor=cli_actor())
             self.stdout.write(f"user {username}: " + ("limits removed" if done else "no limits"))
             return
         row = self._set(people.set_user_limits, user_id, changes)
@@ -107,7 +117,7 @@ class Command(BaseCommand):
         if team_id is None:
             raise CommandError(f"no team {name!r}")
         if clear:
-            done = people.clear_team_limits(team_id)
+            done = people.clear_team_limits(team_id, actor=cli_actor())
             self.stdout.write(f"team {name}: " + ("limits removed" if done else "no limits"))
             return
         row = self._set(people.set_team_limits, team_id, changes)
@@ -116,7 +126,7 @@ class Command(BaseCommand):
     @staticmethod
     def _set(change: Any, holder: int, changes: dict[str, object]) -> UserLimits | TeamLimits:
         try:
-            row: UserLimits | TeamLimits = change(holder, **changes)
+            row: UserLimits | TeamLimits = change(holder, actor=cli_actor(), **changes)
         except people.LimitsInvalid as exc:
             raise CommandError(f"{exc.field}: {exc}") from None
         return row
