@@ -462,3 +462,25 @@ def test_admin_command_and_api_leave_the_same_rows_and_events(change: str) -> No
     if by_admin_edge is not None:
         _, by_admin = run_edge(by_admin_edge)
         assert by_admin == by_command, change
+
+
+def test_the_admins_bulk_delete_of_limits_clears_each_through_the_same_function() -> None:
+    world = World(admin_client(), api_client(), fleet())
+    gateway_people.set_team_limits(world.ids["team"], actor="setup", tpm_limit=10)
+    for changelist, row in (
+        ("userlimits", UserLimits.objects.get()),
+        ("teamlimits", TeamLimits.objects.get()),
+    ):
+        response = world.admin.post(
+            f"/admin/gateway/{changelist}/",
+            {"action": "delete_selected", "_selected_action": [str(row.pk)], "post": "yes"},
+        )
+        assert response.status_code == 302, response.status_code
+    assert not UserLimits.objects.exists() and not TeamLimits.objects.exists()
+    assert [
+        (e.subject, e.message)
+        for e in Event.objects.filter(message__startswith="limits removed").order_by("id")
+    ] == [
+        ("user/alice", "limits removed by admin:root"),
+        ("team/research", "limits removed by admin:root"),
+    ]
