@@ -20,7 +20,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
 from agents.protocol import valid_weights_name
-from control import node_tokens, nudges, operations, profiles
+from control import node_certs, node_tokens, nudges, operations, profiles
 from control.models import (
     Event,
     Gpu,
@@ -273,7 +273,7 @@ class NodeAdmin(admin.ModelAdmin[Node]):
     list_filter = ["schedule", "health"]
     search_fields = ["name"]
     inlines = [GpuInline]
-    actions = ["cordon", "drain", "undrain", "issue_token", "revoke_token"]
+    actions = ["cordon", "drain", "undrain", "issue_token", "revoke_token", "revoke_cert"]
     readonly_fields = [
         "schedule",
         "health",
@@ -360,6 +360,16 @@ class NodeAdmin(admin.ModelAdmin[Node]):
             self.message_user(request, f"Token revoked: {', '.join(done)}.", messages.SUCCESS)
         else:
             self.message_user(request, "No token to revoke.", messages.INFO)
+
+    # Issuing a certificate hands over a private key: `manage.py issue_node_cert` (to a file,
+    # mode 0600) or the admin API (in its answer), not a page a browser may keep.
+    @admin.action(description="Revoke the node certificate", permissions=["change"])
+    def revoke_cert(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:
+        done = [node.name for node in queryset if node_certs.revoke_node_cert(node.name)]
+        if done:
+            self.message_user(request, f"Certificate revoked: {', '.join(done)}.", messages.SUCCESS)
+        else:
+            self.message_user(request, "No certificate to revoke.", messages.INFO)
 
 
 # --------------------------------------------------------------------------- what runs

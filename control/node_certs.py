@@ -178,10 +178,22 @@ def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
     return cert, key
 
 
-def issue_node_cert(name: str, ca_dir: Path, out_dir: Path) -> IssuedCert:
-    """A new certificate and key for node ``name`` (registered if new) in ``out_dir``, with a
-    copy of the CA certificate the agent verifies the control plane by. The node's earlier
-    certificate stops working, and its streams are closed after commit."""
+@dataclass(frozen=True)
+class MintedCert:
+    """A node's new certificate, its private key and the CA certificate, as PEM: the key exists
+    nowhere else (the caller writes it to a 0600 file or hands it over once)."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    ca_pem: bytes
+    serial: str
+
+
+def mint_node_cert(name: str, ca_dir: Path) -> MintedCert:
+    """The state change: a new certificate and key for node ``name`` (registered if new),
+    whose serial becomes the node's one valid certificate. The node's earlier certificate stops
+    working, and its streams are closed after commit. ``issue_node_cert`` (``manage.py``) and
+    the admin API both come through here."""
     ca_cert, ca_key = load_ca(ca_dir)
     cert, key = _leaf(ca_cert, ca_key, name, [name], ExtendedKeyUsageOID.CLIENT_AUTH)
     serial = serial_hex(cert)
@@ -198,16 +210,28 @@ def issue_node_cert(name: str, ca_dir: Path, out_dir: Path) -> IssuedCert:
         )
         if replaced:
             nudges.send_on_commit(node.pk, nudges.TOKEN_REVOKED)
+    return MintedCert(
+        cert.public_bytes(serialization.Encoding.PEM),
+        _key_pem(key),
+        ca_cert.public_bytes(serialization.Encoding.PEM),
+        serial,
+    )
+
+
+def issue_node_cert(name: str, ca_dir: Path, out_dir: Path) -> IssuedCert:
+    """A new certificate and key for node ``name`` (see :func:`mint_node_cert`) written to
+    ``out_dir``, with a copy of the CA certificate the agent verifies the control plane by."""
+    minted = mint_node_cert(name, ca_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     key_path, cert_path, ca_path = (
         out_dir / f"{name}.key",
         out_dir / f"{name}.pem",
         out_dir / CA_CERT,
     )
-    write_private(key_path, _key_pem(key))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    return IssuedCert(cert_path, key_path, ca_path, serial)
+    write_private(key_path, minted.key_pem)
+    cert_path.write_bytes(minted.cert_pem)
+    ca_path.write_bytes(minted.ca_pem)
+    return IssuedCert(cert_path, key_path, ca_path, minted.serial)
 
 
 def revoke_node_cert(name: str) -> bool:

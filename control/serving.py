@@ -290,6 +290,15 @@ def record_gateway_event(subject: str, message: str, data: dict[str, Any]) -> No
     )
 
 
+def record_operator_event(subject: str, message: str, data: dict[str, Any]) -> None:
+    """An operator's change to the gateway's rows (a user's or a team's limits) in the audit
+    trail beside the fleet's changes: who did it and what it was before. Call inside the
+    change's transaction, so the line and the change commit together."""
+    Event.objects.create(
+        kind=Event.Kind.OPERATOR, subject=subject[:200], message=message, data=data
+    )
+
+
 def this_process_leads() -> bool:
     """Whether this process holds the reconciler's lease now (confirmed within its renew
     deadline): the gate for the gateway's periodic jobs (usage rollups), which run in the

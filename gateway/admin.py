@@ -166,6 +166,11 @@ class LimitsForm(forms.ModelForm[Any]):
         return sorted(set(names))
 
 
+def _actor(request: HttpRequest) -> str:
+    """Who did it, for the audit trail (as the fleet's admin actions say it)."""
+    return f"admin:{request.user.get_username()}"
+
+
 _LIMIT_FIELDS = ["allowed_models", "rpm_limit", "tpm_limit", "token_budget", "budget_period"]
 
 
@@ -181,6 +186,26 @@ class UserLimitsAdmin(admin.ModelAdmin[UserLimits]):
     search_fields = ["user__username"]
     autocomplete_fields = ["user"]
     fields = ["user", *_LIMIT_FIELDS, "self_service"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: UserLimits | None = None) -> Any:
+        # A row's holder is fixed: moving limits to someone else is a clear and a set.
+        return ["user"] if obj is not None else []
+
+    def save_model(self, request: HttpRequest, obj: UserLimits, form: Any, change: bool) -> None:
+        # Through the one function for this change, which the admin API calls too.
+        saved = people.set_user_limits(
+            obj.user_id,
+            actor=_actor(request),
+            **{f: getattr(obj, f) for f in (*_LIMIT_FIELDS, "self_service")},
+        )
+        obj.pk = saved.pk
+
+    def delete_model(self, request: HttpRequest, obj: UserLimits) -> None:
+        people.clear_user_limits(obj.user_id, actor=_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[UserLimits]) -> None:
+        for user_id in queryset.values_list("user_id", flat=True):
+            people.clear_user_limits(user_id, actor=_actor(request))
 
     @admin.display(description="models")
     def models(self, obj: UserLimits) -> str:
@@ -201,6 +226,22 @@ class TeamLimitsAdmin(admin.ModelAdmin[TeamLimits]):
     search_fields = ["team__name"]
     autocomplete_fields = ["team"]
     fields = ["team", *_LIMIT_FIELDS]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: TeamLimits | None = None) -> Any:
+        return ["team"] if obj is not None else []
+
+    def save_model(self, request: HttpRequest, obj: TeamLimits, form: Any, change: bool) -> None:
+        saved = people.set_team_limits(
+            obj.team_id, actor=_actor(request), **{f: getattr(obj, f) for f in _LIMIT_FIELDS}
+        )
+        obj.pk = saved.pk
+
+    def delete_model(self, request: HttpRequest, obj: TeamLimits) -> None:
+        people.clear_team_limits(obj.team_id, actor=_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[TeamLimits]) -> None:
+        for team_id in queryset.values_list("team_id", flat=True):
+            people.clear_team_limits(team_id, actor=_actor(request))
 
     @admin.display(description="models")
     def models(self, obj: TeamLimits) -> str:

@@ -12,9 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractBaseUser, Group
+from django.db import transaction
 
+from control import serving
 from gateway import limits, rollups
 from gateway.models import ApiKey, TeamLimits, UserLimits
 
@@ -130,3 +134,140 @@ def narrowing_problems(
             if limit is not None and asked is not None and asked > limit:
                 problems.append(f"{label} {asked} is above {view.holder}'s {limit}")
     return problems
+
+
+# --------------------------------------------------------------------------- changes
+
+# What a user's or team's limits row holds (a user's also ``self_service``).
+LIMIT_FIELDS = ("allowed_models", "rpm_limit", "tpm_limit", "token_budget", "budget_period")
+_PERIODS = frozenset(ApiKey.BudgetPeriod.values)
+
+
+class LimitsInvalid(ValueError):
+    """A limit value no holder can have; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _checked(changes: dict[str, object], allowed: frozenset[str]) -> dict[str, object]:
+    """The changes, normalised (a model list sorted and without repeats), or LimitsInvalid.
+    Every edge (the admin's form, the admin API) has already checked its own input; this is the
+    last word, so a shell or a future edge cannot store a limit the request path misreads."""
+    out: dict[str, object] = {}
+    for name, given in changes.items():
+        value = given
+        if name not in allowed:
+            raise LimitsInvalid(name, f"{name} is not a limit")
+        if name == "allowed_models":
+            if not isinstance(value, list) or not all(isinstance(m, str) and m for m in value):
+                raise LimitsInvalid(name, "a list of model names; empty: every model")
+            value = sorted(set(value))
+        elif name == "budget_period":
+            if value not in _PERIODS:
+                raise LimitsInvalid(name, f"one of {', '.join(sorted(_PERIODS))}")
+        elif name == "self_service":
+            if not isinstance(value, bool):
+                raise LimitsInvalid(name, "true or false")
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise LimitsInvalid(name, "a whole number, or null for no limit")
+        elif value is not None and value < 0:
+            raise LimitsInvalid(name, "zero or more, or null for no limit")
+        out[name] = value
+    return out
+
+
+def _describe(changes: dict[str, dict[str, object]]) -> str:
+    def shown(value: object) -> str:
+        if isinstance(value, list):
+            return ",".join(value) or "all"
+        return "none" if value is None else str(value)
+
+    return ", ".join(
+        f"{name} {shown(change['from'])} → {shown(change['to'])}"
+        for name, change in changes.items()
+    )
+
+
+def _set(
+    row_model: type[UserLimits] | type[TeamLimits],
+    holder: dict[str, Any],
+    subject: str,
+    actor: str,
+    values: dict[str, object],
+) -> UserLimits | TeamLimits:
+    """Make or change one holder's limits row, and say so in the audit trail (who, and each
+    field's old and new value) when anything changed."""
+    with transaction.atomic():
+        row, created = row_model.objects.select_for_update().get_or_create(**holder)
+        diff = {
+            name: {"from": getattr(row, name), "to": value}
+            for name, value in values.items()
+            if getattr(row, name) != value
+        }
+        for name, change in diff.items():
+            setattr(row, name, change["to"])
+        if diff:
+            row.save()
+        if diff or created:
+            verb = "set" if created else "changed"
+            serving.record_operator_event(
+                subject,
+                f"limits {verb} by {actor}" + (f": {_describe(diff)}" if diff else ""),
+                {"actor": actor, "changes": diff},
+            )
+    return row
+
+
+def set_user_limits(user_id: int, *, actor: str, **changes: object) -> UserLimits:
+    """Set the given limits (and ``self_service``) of one user, making their limits row if
+    they have none; fields not given keep their value. Keys take the change up within the
+    key cache's TTL. The one function the admin's user limits pages, ``manage.py set_limits``
+    and the admin API call; ``actor`` says who, for the audit trail."""
+    values = _checked(changes, frozenset({*LIMIT_FIELDS, "self_service"}))
+    row = _set(UserLimits, {"user_id": user_id}, f"user/{_username(user_id)}", actor, values)
+    assert isinstance(row, UserLimits)
+    return row
+
+
+def set_team_limits(team_id: int, *, actor: str, **changes: object) -> TeamLimits:
+    """Set the given limits of one team (a Django group), making its limits row if it has
+    none; fields not given keep their value. See :func:`set_user_limits`."""
+    values = _checked(changes, frozenset(LIMIT_FIELDS))
+    row = _set(TeamLimits, {"team_id": team_id}, f"team/{_team_name(team_id)}", actor, values)
+    assert isinstance(row, TeamLimits)
+    return row
+
+
+def clear_user_limits(user_id: int, *, actor: str) -> bool:
+    """No limits of the user's own any more (their keys' and teams' still apply), and
+    self-service back on. True if there were any."""
+    with transaction.atomic():
+        deleted, _ = UserLimits.objects.filter(user_id=user_id).delete()
+        if deleted:
+            serving.record_operator_event(
+                f"user/{_username(user_id)}", f"limits removed by {actor}", {"actor": actor}
+            )
+    return bool(deleted)
+
+
+def clear_team_limits(team_id: int, *, actor: str) -> bool:
+    """No limits of the team's any more. True if there were any."""
+    with transaction.atomic():
+        deleted, _ = TeamLimits.objects.filter(team_id=team_id).delete()
+        if deleted:
+            serving.record_operator_event(
+                f"team/{_team_name(team_id)}", f"limits removed by {actor}", {"actor": actor}
+            )
+    return bool(deleted)
+
+
+def _username(user_id: int) -> str:
+    name = get_user_model().objects.filter(pk=user_id).values_list("username", flat=True).first()
+    return str(name) if name is not None else f"#{user_id}"
+
+
+def _team_name(team_id: int) -> str:
+    name = Group.objects.filter(pk=team_id).values_list("name", flat=True).first()
+    return str(name) if name is not None else f"#{team_id}"

@@ -17,9 +17,11 @@ import functools
 import json
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import DataError, transaction
@@ -32,10 +34,11 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.pagination import LimitOffsetPagination, paginate
 from pydantic import ConfigDict, field_validator
 
-from control import leases, node_tokens, operations
+from control import leases, node_certs, node_tokens, operations
 from control.models import Event, Node, Profile, Replica, ServedModel
 from gateway import keys, reports
-from gateway.models import ApiKey, UsageRecord
+from gateway import people as gateway_people
+from gateway.models import ApiKey, TeamLimits, UsageRecord, UserLimits
 from llmgw_site import catalog
 from llmgw_site.admin_api import people
 from llmgw_site.admin_api.auth import AdminAuth, Caller, Denied
@@ -553,6 +556,8 @@ class NodeOut(Schema):
     agent_version: str
     token_prefix: str
     token_issued_at: datetime | None
+    cert_serial: str = Field(description="The node's one valid certificate; empty: none.")
+    cert_issued_at: datetime | None
     gpus: list[GpuOut]
 
 
@@ -565,6 +570,14 @@ class TokenOut(Schema):
     node: str
     token: str = Field(description="Shown this once; only its hash is kept.")
     prefix: str
+
+
+class CertOut(Schema):
+    node: str
+    serial: str
+    certificate: str = Field(description="PEM; the agent's --tls-cert.")
+    key: str = Field(description="PEM; the agent's --tls-key. Shown this once; not kept.")
+    ca_certificate: str = Field(description="PEM; the agent's --tls-ca.")
 
 
 def _nodes() -> QuerySet[Node]:
@@ -625,10 +638,7 @@ def undrain_node(request: HttpRequest, name: str) -> Any:
 @fleet_router.post("/nodes/{name}/token", response={201: TokenOut})
 def issue_node_token(request: HttpRequest, name: str) -> Any:
     """A new token for the node (registered if new); the previous one stops working."""
-    try:
-        Node._meta.get_field("name").clean(name, None)
-    except DjangoValidationError as exc:
-        raise ApiError(422, "invalid", "; ".join(exc.messages), "name") from None
+    _valid_node_name(name)
     token = node_tokens.issue_node_token(name)
     return Status(
         201, {"node": name, "token": token, "prefix": token[: node_tokens.TOKEN_VISIBLE_CHARS]}
@@ -639,6 +649,42 @@ def issue_node_token(request: HttpRequest, name: str) -> Any:
 def revoke_node_token(request: HttpRequest, name: str) -> Any:
     _node(name)
     return {"changed": node_tokens.revoke_node_token(name)}
+
+
+def _valid_node_name(name: str) -> None:
+    try:
+        Node._meta.get_field("name").clean(name, None)
+    except DjangoValidationError as exc:
+        raise ApiError(422, "invalid", "; ".join(exc.messages), "name") from None
+
+
+@fleet_router.post("/nodes/{name}/certificate", response={201: CertOut})
+def issue_node_cert(request: HttpRequest, name: str) -> Any:
+    """A new client certificate and key for the node's agent, from the cluster CA (the node is
+    registered if new); its previous certificate stops working and its streams close. The key
+    is in this answer only: store it on the node's host, mode 0600."""
+    _valid_node_name(name)
+    try:
+        minted = node_certs.mint_node_cert(name, Path(settings.LLMGW_CA_DIR))
+    except node_certs.CaError as exc:
+        raise ApiError(409, "no_ca", str(exc)) from None
+    return Status(
+        201,
+        {
+            "node": name,
+            "serial": minted.serial,
+            "certificate": minted.cert_pem.decode(),
+            "key": minted.key_pem.decode(),
+            "ca_certificate": minted.ca_pem.decode(),
+        },
+    )
+
+
+@fleet_router.delete("/nodes/{name}/certificate", response=Changed)
+def revoke_node_cert(request: HttpRequest, name: str) -> Any:
+    """The node's certificate opens no stream any more; its open streams are closed."""
+    _node(name)
+    return {"changed": node_certs.revoke_node_cert(name)}
 
 
 class ShardOut(Schema):
@@ -907,6 +953,138 @@ def delete_team(request: HttpRequest, name: str) -> Any:
     if not people.delete_team(name):
         raise ApiError(404, "not_found", f"no team {name!r}", "name")
     return Status(204, None)
+
+
+class LimitsOut(Schema):
+    """A user's or team's own limits (none set: every field empty), with the budget's spend in
+    the current period. A key's effective limits are the narrowest of its own, its owner's and
+    its owner's teams'."""
+
+    allowed_models: list[str] = Field(description="Empty: every model.")
+    rpm_limit: int | None
+    tpm_limit: int | None
+    token_budget: int | None
+    budget_period: Literal["day", "week", "month"]
+    spent: int = Field(description="Tokens used in the current budget period.")
+    period_start: datetime
+
+
+class UserLimitsOut(LimitsOut):
+    self_service: bool = Field(description="May make their own keys at /account/.")
+
+
+class LimitsPatch(Strict):
+    """The limits to change; those left out keep their value, ``null`` means no limit."""
+
+    allowed_models: list[str] | None = Field(None, description="Empty: every model.")
+    rpm_limit: int | None = Field(None, ge=0, le=2**31 - 1)
+    tpm_limit: int | None = Field(None, ge=0, le=2**31 - 1)
+    token_budget: int | None = Field(None, ge=0, le=2**63 - 1)
+    budget_period: Literal["day", "week", "month"] | None = None
+
+    @field_validator("allowed_models", mode="after")
+    @classmethod
+    def _names(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(name.strip() for name in value):
+            raise ValueError("model names must not be empty")
+        return value
+
+
+class UserLimitsPatch(LimitsPatch):
+    self_service: bool | None = None
+
+
+def _limits_changes(payload: LimitsPatch) -> dict[str, Any]:
+    changes = payload.dict(exclude_unset=True)
+    for name in ("allowed_models", "budget_period", "self_service"):
+        if name in changes and changes[name] is None:  # these have no "no limit"
+            raise ApiError(422, "invalid", f"{name} cannot be null", name)
+    return changes
+
+
+def _limits_out(
+    row: UserLimits | TeamLimits | None, spent_by: Callable[[Any], int]
+) -> dict[str, Any]:
+    period = row.budget_period if row is not None else ApiKey.BudgetPeriod.MONTH
+    return {
+        "allowed_models": list(row.allowed_models or []) if row is not None else [],
+        "rpm_limit": row.rpm_limit if row is not None else None,
+        "tpm_limit": row.tpm_limit if row is not None else None,
+        "token_budget": row.token_budget if row is not None else None,
+        "budget_period": period,
+        "spent": spent_by(row) if row is not None else 0,
+        "period_start": gateway_people.period_start(period),
+        "self_service": row.self_service if isinstance(row, UserLimits) else True,
+    }
+
+
+def _user_pk(username: str) -> int:
+    pk = User.objects.filter(username=username).values_list("pk", flat=True).first()
+    if pk is None:
+        raise ApiError(404, "not_found", f"no user {username!r}", "username")
+    return int(pk)
+
+
+def _team_pk(name: str) -> int:
+    pk = Group.objects.filter(name=name).values_list("pk", flat=True).first()
+    if pk is None:
+        raise ApiError(404, "not_found", f"no team {name!r}", "name")
+    return int(pk)
+
+
+def _set_limits(
+    request: HttpRequest, change: Callable[..., Any], holder: int, changes: dict[str, Any]
+) -> Any:
+    try:
+        return change(holder, actor=caller(request).actor, **changes)
+    except gateway_people.LimitsInvalid as exc:
+        raise ApiError(422, "invalid", str(exc), exc.field) from None
+
+
+@people_router.get("/users/{username}/limits", response=UserLimitsOut)
+def get_user_limits(request: HttpRequest, username: str) -> Any:
+    """The user's own limits over all their keys, and whether they may make keys."""
+    row = UserLimits.objects.filter(user_id=_user_pk(username)).first()
+    return _limits_out(row, gateway_people.user_spend)
+
+
+@people_router.patch("/users/{username}/limits", response=UserLimitsOut)
+def update_user_limits(request: HttpRequest, username: str, payload: UserLimitsPatch) -> Any:
+    """Change the given limits; keys take the change up within the key cache's TTL."""
+    changes = _limits_changes(payload)
+    row = _set_limits(request, gateway_people.set_user_limits, _user_pk(username), changes)
+    return _limits_out(row, gateway_people.user_spend)
+
+
+@people_router.delete("/users/{username}/limits", response=Changed)
+def clear_user_limits(request: HttpRequest, username: str) -> Any:
+    """No limits of the user's own (their keys' and teams' still apply); self-service on."""
+    return {
+        "changed": gateway_people.clear_user_limits(_user_pk(username), actor=caller(request).actor)
+    }
+
+
+@people_router.get("/teams/{name}/limits", response=LimitsOut)
+def get_team_limits(request: HttpRequest, name: str) -> Any:
+    """The team's limits over all its members' keys."""
+    row = TeamLimits.objects.filter(team_id=_team_pk(name)).first()
+    return _limits_out(row, gateway_people.team_spend)
+
+
+@people_router.patch("/teams/{name}/limits", response=LimitsOut)
+def update_team_limits(request: HttpRequest, name: str, payload: LimitsPatch) -> Any:
+    """Change the given limits; keys take the change up within the key cache's TTL."""
+    row = _set_limits(
+        request, gateway_people.set_team_limits, _team_pk(name), _limits_changes(payload)
+    )
+    return _limits_out(row, gateway_people.team_spend)
+
+
+@people_router.delete("/teams/{name}/limits", response=Changed)
+def clear_team_limits(request: HttpRequest, name: str) -> Any:
+    return {
+        "changed": gateway_people.clear_team_limits(_team_pk(name), actor=caller(request).actor)
+    }
 
 
 class KeyOut(Schema):

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.test import Client
 
+from control import node_certs, node_tokens
 from control.models import Event, Node, Profile, Replica, ServedModel
-from gateway.models import ApiKey
+from gateway import keys, people
+from gateway.models import ApiKey, TeamLimits, UserLimits
 from llmgw_site.admin_api import tokens
 from llmgw_site.admin_api.models import AdminToken
 from tests.harness.factories import (
@@ -183,6 +189,9 @@ def test_the_openapi_document_lists_every_route() -> None:
         "/api/admin/v1/usage",
         "/api/admin/v1/catalog",
         "/api/admin/v1/lease",
+        "/api/admin/v1/users/{username}/limits",
+        "/api/admin/v1/teams/{name}/limits",
+        "/api/admin/v1/nodes/{name}/certificate",
     ]:
         assert path in paths, path
 
@@ -424,6 +433,203 @@ def test_api_keys_issue_once_list_and_revoke(api: Api) -> None:
     assert api.get("/keys", revoked=True)["count"] == 1
     status, body = api.call("POST", "/keys", {"user": "nobody"})
     assert status == 422 and body["error"]["field"] == "user"
+
+
+def effective(key: ApiKey) -> Any:
+    """What the request path makes of the key: its limits narrowed by its owner's and teams'."""
+    return keys._load(key.key_hash)
+
+
+def test_user_limits_read_set_and_clear_bind_the_users_keys(api: Api) -> None:
+    _, key = make_key("alice", name="ci")
+    assert api.get("/users/alice/limits") == {
+        "allowed_models": [],
+        "rpm_limit": None,
+        "tpm_limit": None,
+        "token_budget": None,
+        "budget_period": "month",
+        "spent": 0,
+        "period_start": api.get("/users/alice/limits")["period_start"],
+        "self_service": True,
+    }
+    status, body = api.call(
+        "PATCH",
+        "/users/alice/limits",
+        {
+            "allowed_models": ["qwen", "llama3", "qwen"],
+            "rpm_limit": 30,
+            "tpm_limit": 1000,
+            "token_budget": 5000,
+            "budget_period": "day",
+            "self_service": False,
+        },
+    )
+    assert status == 200, body
+    assert body["allowed_models"] == ["llama3", "qwen"] and body["budget_period"] == "day"
+    row = UserLimits.objects.get(user__username="alice")
+    assert (row.rpm_limit, row.tpm_limit, row.token_budget, row.self_service) == (
+        30,
+        1000,
+        5000,
+        False,
+    )
+    info = effective(key)
+    assert info.allowed_models == frozenset({"llama3", "qwen"})
+    assert [(s.name, s.rpm_limit, s.token_budget) for s in info.scopes] == [
+        (f"user:{key.user_id}", 30, 5000)
+    ]
+
+    event = Event.objects.get(subject="user/alice")
+    assert event.kind == Event.Kind.OPERATOR and event.message.startswith("limits set by token:")
+    assert event.data["changes"]["rpm_limit"] == {"from": None, "to": 30}
+    assert event.data["changes"]["self_service"] == {"from": True, "to": False}
+
+    # A partial change keeps the rest; null lifts one limit.
+    status, body = api.call("PATCH", "/users/alice/limits", {"rpm_limit": None})
+    assert status == 200 and body["rpm_limit"] is None and body["token_budget"] == 5000
+    assert not people.self_service_allowed(key.user_id)
+    assert Event.objects.filter(subject="user/alice").latest("id").message == (
+        "limits changed by token:tests: rpm_limit 30 → none"
+    )
+    # The same values again change nothing, and say nothing.
+    assert api.call("PATCH", "/users/alice/limits", {"rpm_limit": None})[0] == 200
+    assert Event.objects.filter(subject="user/alice").count() == 2
+
+    # What alice used today counts against her budget.
+    make_usage(model="llama3", api_key=key, prompt_tokens=40, completion_tokens=2)
+    assert api.get("/users/alice/limits")["spent"] == 42
+
+    assert api.call("DELETE", "/users/alice/limits")[1] == {"changed": True}
+    assert api.call("DELETE", "/users/alice/limits")[1] == {"changed": False}
+    assert not UserLimits.objects.exists() and people.self_service_allowed(key.user_id)
+    assert Event.objects.filter(subject="user/alice").latest("id").message == (
+        "limits removed by token:tests"
+    )
+    assert not effective(key).scopes
+
+
+def test_team_limits_read_set_and_clear_bind_the_members_keys(api: Api) -> None:
+    _, key = make_key("alice")
+    team = Group.objects.create(name="research")
+    team.user_set.add(key.user_id)
+    assert api.get("/teams/research/limits")["token_budget"] is None
+    status, body = api.call(
+        "PATCH", "/teams/research/limits", {"token_budget": 100, "allowed_models": ["llama3"]}
+    )
+    assert status == 200 and body["token_budget"] == 100 and body["allowed_models"] == ["llama3"]
+    assert TeamLimits.objects.get(team__name="research").token_budget == 100
+    info = effective(key)
+    assert info.allowed_models == frozenset({"llama3"})
+    assert [(s.name, s.token_budget) for s in info.scopes] == [(f"team:{team.pk}", 100)]
+    assert api.call("DELETE", "/teams/research/limits")[1] == {"changed": True}
+    assert not TeamLimits.objects.exists() and not effective(key).scopes
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/users/alice/limits", {"rpm_limit": -1}, "rpm_limit"),
+        ("/users/alice/limits", {"token_budget": "lots"}, "token_budget"),
+        ("/users/alice/limits", {"budget_period": "year"}, "budget_period"),
+        ("/users/alice/limits", {"budget_period": None}, "budget_period"),
+        ("/users/alice/limits", {"allowed_models": ["ok", ""]}, "allowed_models"),
+        ("/users/alice/limits", {"allowed_models": None}, "allowed_models"),
+        ("/users/alice/limits", {"self_service": None}, "self_service"),
+        ("/users/alice/limits", {"colour": "red"}, "colour"),
+        ("/teams/research/limits", {"self_service": False}, "self_service"),
+        ("/teams/research/limits", {"tpm_limit": 2**40}, "tpm_limit"),
+    ],
+)
+def test_bad_limits_are_refused_naming_the_field_and_change_nothing(
+    api: Api, path: str, body: Any, field: str
+) -> None:
+    make_user("alice")
+    Group.objects.create(name="research")
+    status, answer = api.call("PATCH", path, body)
+    assert status == 422, answer
+    assert answer["error"]["field"] == field
+    assert not UserLimits.objects.exists() and not TeamLimits.objects.exists()
+
+
+def test_limits_of_someone_missing_are_404(api: Api) -> None:
+    for method, body in (("GET", None), ("PATCH", {"rpm_limit": 1}), ("DELETE", None)):
+        status, answer = api.call(method, "/users/nobody/limits", body)
+        assert status == 404 and answer["error"]["field"] == "username"
+        status, answer = api.call(method, "/teams/nobody/limits", body)
+        assert status == 404 and answer["error"]["field"] == "name"
+
+
+def test_a_read_only_token_reads_limits_but_cannot_set_them(reader: Api) -> None:
+    make_user("alice")
+    assert reader.get("/users/alice/limits")["rpm_limit"] is None
+    status, body = reader.call("PATCH", "/users/alice/limits", {"rpm_limit": 1})
+    assert status == 403 and body["error"]["code"] == "read_only"
+    assert not UserLimits.objects.exists()
+
+
+@pytest.fixture
+def ca_dir(tmp_path: Path, settings: Any) -> Path:
+    settings.LLMGW_CA_DIR = tmp_path / "ca"
+    call_command("init_ca", stdout=io.StringIO())
+    return Path(settings.LLMGW_CA_DIR)
+
+
+def test_node_certificates_issue_once_and_revoke(api: Api, ca_dir: Path) -> None:
+    status, body = api.call("POST", "/nodes/gpu-9/certificate")
+    assert status == 201, body
+    cert = x509.load_pem_x509_certificate(body["certificate"].encode())
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "gpu-9"
+    ca = x509.load_pem_x509_certificate(body["ca_certificate"].encode())
+    assert cert.issuer == ca.subject and ca == x509.load_pem_x509_certificate(
+        (ca_dir / "ca.pem").read_bytes()
+    )
+    key = serialization.load_pem_private_key(body["key"].encode(), password=None)
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    assert key.public_key().public_bytes(*spki) == cert.public_key().public_bytes(*spki)
+    node = Node.objects.get(name="gpu-9")
+    assert node.cert_serial == body["serial"] == format(cert.serial_number, "x")
+    assert api.get("/nodes/gpu-9")["cert_serial"] == body["serial"]
+    # The key is handed over, not kept: no copy on the control plane's disk or in the store.
+    assert not list(ca_dir.rglob("gpu-9*"))
+    assert node_certs.authenticate_certificate(body["certificate"].encode(), "gpu-9").name == (
+        "gpu-9"
+    )
+
+    # A second certificate replaces the first.
+    status, second = api.call("POST", "/nodes/gpu-9/certificate")
+    assert status == 201 and second["serial"] != body["serial"]
+    with pytest.raises(node_tokens.TokenRejected):
+        node_certs.authenticate_certificate(body["certificate"].encode(), "gpu-9")
+
+    assert api.call("DELETE", "/nodes/gpu-9/certificate")[1] == {"changed": True}
+    assert api.call("DELETE", "/nodes/gpu-9/certificate")[1] == {"changed": False}
+    with pytest.raises(node_tokens.TokenRejected):
+        node_certs.authenticate_certificate(second["certificate"].encode(), "gpu-9")
+    messages = list(
+        Event.objects.filter(subject="node/gpu-9").order_by("id").values_list("message", flat=True)
+    )
+    assert [m.split(" (")[0] for m in messages] == [
+        "node certificate issued",
+        "node certificate issued",
+        "node certificate revoked",
+    ]
+
+
+def test_node_certificate_errors_name_what_is_wrong(
+    api: Api, reader: Api, tmp_path: Path, settings: Any
+) -> None:
+    settings.LLMGW_CA_DIR = tmp_path / "none"
+    status, body = api.call("POST", "/nodes/gpu-9/certificate")
+    assert (
+        status == 409 and body["error"]["code"] == "no_ca" and "init_ca" in body["error"]["message"]
+    )
+    assert not Node.objects.exists()
+    status, body = api.call("POST", "/nodes/bad%20name/certificate")
+    assert status == 422 and body["error"]["field"] == "name"
+    status, body = api.call("DELETE", "/nodes/gpu-404/certificate")
+    assert status == 404
+    status, body = reader.call("POST", "/nodes/gpu-9/certificate")
+    assert status == 403 and body["error"]["code"] == "read_only"
 
 
 # --------------------------------------------------------------------------- usage

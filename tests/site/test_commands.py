@@ -10,11 +10,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.contrib.auth.models import Group
 from django.core.management import CommandError, ManagementUtility, call_command
 from django.utils import timezone
 
 from control.models import Event, Node, Replica
-from gateway.models import ApiKey
+from gateway.models import ApiKey, TeamLimits, UserLimits
 from tests.harness.factories import (
     make_key,
     make_model,
@@ -42,6 +43,7 @@ OURS = [
     "delete_model",
     "create_admin_token",
     "revoke_admin_token",
+    "set_limits",
 ]
 
 
@@ -232,3 +234,48 @@ def test_import_catalog_errors_name_the_file_and_the_problem(tmp_path: Path) -> 
     bad.write_text("models:\n  - name: m\n    default_profile: nope\n    source: s\n")
     with pytest.raises(CommandError, match=r"no profile named 'nope'.*nothing was imported"):
         run("import_catalog", str(bad))
+
+
+@pytest.mark.django_db
+def test_set_limits_sets_keeps_lifts_and_clears_a_users_and_a_teams_limits() -> None:
+    alice = make_user("alice")
+    out = run("set_limits", "--user", "alice", "--models", "b,a", "--rpm", "5", "--budget", "9")
+    assert out == "user alice: models a, b; rpm 5, tpm none, budget 9 per month, self-service on\n"
+    run("set_limits", "--user", "alice", "--rpm", "none", "--self-service", "off")
+    row = UserLimits.objects.get(user=alice)
+    assert (row.allowed_models, row.rpm_limit, row.token_budget, row.self_service) == (
+        ["a", "b"],
+        None,
+        9,
+        False,
+    )
+    Group.objects.create(name="ml")
+    assert run("set_limits", "--team", "ml", "--tpm", "100").startswith("team ml: models all;")
+    assert TeamLimits.objects.get(team__name="ml").tpm_limit == 100
+    assert run("set_limits", "--user", "alice", "--clear") == "user alice: limits removed\n"
+    assert run("set_limits", "--user", "alice", "--clear") == "user alice: no limits\n"
+    assert not UserLimits.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--user", "nobody", "--rpm", "1"], "no user 'nobody'"),
+        (["--team", "nobody", "--rpm", "1"], "no team 'nobody'"),
+        (["--user", "alice"], "give a limit"),
+        (["--user", "alice", "--rpm", "-1"], "--rpm"),
+        (["--user", "alice", "--rpm", "lots"], "--rpm"),
+        (["--user", "alice", "--clear", "--rpm", "1"], "--clear takes no"),
+        (["--team", "ml", "--self-service", "off"], "a user's, not a team's"),
+        (["--user", "alice", "--team", "ml", "--rpm", "1"], "not allowed with"),
+    ],
+)
+def test_set_limits_refuses_what_it_cannot_do_and_changes_nothing(
+    args: list[str], says: str
+) -> None:
+    make_user("alice")
+    Group.objects.create(name="ml")
+    with pytest.raises(CommandError, match=says):
+        run("set_limits", *args)
+    assert not UserLimits.objects.exists() and not TeamLimits.objects.exists()
