@@ -339,3 +339,26 @@ def test_without_a_max_token_field_the_context_the_engine_reports_is_reserved(
         wait_for_rows(api_key, 2)
     finally:
         sim.stop()
+
+
+def test_the_catalogs_context_length_is_reserved_from_the_first_request(
+    live: tuple[Proc, Proc, Proc], tmp_path: Path
+) -> None:
+    """A context length set in the catalog wins over what the engine reports, and needs no
+    first answer to learn it: the first request without a max-token field is bound to it."""
+    web, _, _ = live
+    sim = start_sim(tmp_path / "cat", ["cat"], "--max-model-len", "60", "--output-tokens", "100")
+    try:
+        key, api_key = make_key(budget=100_000)
+        serve_model("cat", [sim.port], context_length=40)
+        wait_until(
+            lambda: "cat" in [m.id for m in client(web, key).models.list().data],
+            what="the web process routes cat",
+        )
+        body = chat_body("cat")
+        status, _, raw = http("POST", web.url + "/v1/chat/completions", key=key, body=body)
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["completion_tokens"] == 40 - len(body) // 4
+        wait_for_rows(api_key, 1)
+    finally:
+        sim.stop()
