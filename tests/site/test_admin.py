@@ -479,9 +479,10 @@ def test_a_models_context_length_is_set_in_the_admin_and_zero_is_refused() -> No
     }
     refused = client.post("/admin/control/servedmodel/add/", {**form, "context_length": 0})
     assert refused.status_code == 200 and not ServedModel.objects.exists()
+    assert refused.context_data is not None
     assert "context_length" in refused.context_data["adminform"].form.errors
     saved = client.post("/admin/control/servedmodel/add/", {**form, "context_length": 8192})
-    assert saved.status_code == 302, saved.context_data["adminform"].form.errors
+    assert saved.status_code == 302
     assert ServedModel.objects.get().context_length == 8192
 
 
