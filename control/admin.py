@@ -114,7 +114,7 @@ class ServedModelAdmin(admin.ModelAdmin[ServedModel]):
     readonly_fields = ["created_at", "last_request_at", "demand_at", "placement_note"]
     fieldsets = [
         (None, {"fields": ["name", "aliases", "source", "enabled"]}),
-        ("How it runs", {"fields": ["default_profile", "profiles"]}),
+        ("How it runs", {"fields": ["default_profile", "profiles", "context_length"]}),
         (
             "Scaling",
             {

@@ -11,6 +11,7 @@ import secrets
 from datetime import UTC, datetime
 
 from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -98,6 +99,13 @@ class ServedModel(models.Model):
     connect_timeout_s = models.FloatField(null=True, blank=True)
     first_byte_timeout_s = models.FloatField(null=True, blank=True)
     stream_idle_timeout_s = models.FloatField(null=True, blank=True)
+    context_length = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Tokens the model takes, prompt and output together. Empty: what its engine "
+        "reports (max_model_len).",
+    )
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     # Observed: written by the gateway (coalesced), read by the reconciler.

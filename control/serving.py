@@ -57,6 +57,7 @@ class CatalogEntry:
     stream_idle_timeout_s: float | None
     profiles: frozenset[str]  # the profiles it may run under, its default included
     default_profile: str = ""
+    context_length: int | None = None  # None: as its engine reports it
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def routing_snapshot() -> RoutingSnapshot:
             "first_byte_timeout_s",
             "stream_idle_timeout_s",
             "default_profile_id",
+            "context_length",
         )
     )
     profile_names = dict(Profile.objects.values_list("id", "name"))
@@ -119,6 +121,7 @@ def routing_snapshot() -> RoutingSnapshot:
             stream_idle_timeout_s=row["stream_idle_timeout_s"],
             profiles=frozenset(profiles.get(row["id"], ())),
             default_profile=profile_names.get(row["default_profile_id"], ""),
+            context_length=row["context_length"],
         )
         for row in rows
     ]

@@ -110,6 +110,20 @@ def estimate_prompt(prompt: Prompt) -> int:
     return overhead + sum(-(-len(t.encode()) // 4) for t in texts)
 
 
+# No tokenizer in use packs more text than this into a token on average over a prompt
+# (English runs ~4 bytes a token; large vocabularies ~5): a prompt has at least its UTF-8 bytes
+# over this many tokens. Deciding "too long for the context" on this floor refuses only what
+# the engine would refuse too; prompts near the edge are left for the engine to judge.
+FLOOR_BYTES_PER_TOKEN = 8
+
+
+def prompt_floor(prompt: Prompt) -> int:
+    """Tokens the longest single sequence of the prompt takes at least (pure): the chat
+    messages together, or the longest of a batch's prompts (each is a sequence of its own)."""
+    texts = [prompt.text()] if prompt.messages is not None else prompt.texts
+    return max((-(-len(t.encode()) // FLOOR_BYTES_PER_TOKEN) for t in texts), default=0)
+
+
 @dataclass
 class Relayed:
     """What a stream relayed, kept (as the bytes already in hand) in case it must be counted."""

@@ -157,6 +157,37 @@ def plan(
     return Plan(prompt + cap * n, cap)
 
 
+# The field a too-long prompt is named by, per route kind (as OpenAI names it).
+_PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "responses": "input"}
+
+
+def context_refusal(
+    kind: str, prompt_floor: int, max_tokens: int | None, context_length: int | None
+) -> ApiError | None:
+    """The OpenAI-shaped 400 for a request that cannot fit the model's context (pure): its
+    prompt (at least ``prompt_floor`` tokens) plus the output it asks for, or, asking for none,
+    the prompt alone with no room for one output token. None when it may fit, or when the
+    context length is not known."""
+    if context_length is None:
+        return None
+    output = max_tokens if max_tokens is not None else 1
+    if prompt_floor + output <= context_length:
+        return None
+    asked = (
+        f"at least {prompt_floor + output} tokens ({prompt_floor} or more in the prompt, "
+        f"{output} in the completion)"
+        if max_tokens is not None
+        else f"a prompt of at least {prompt_floor} tokens, leaving no room for the completion"
+    )
+    return ApiError(
+        400,
+        f"This model's maximum context length is {context_length} tokens. However, you "
+        f"requested {asked}. Please reduce the length of the prompt or the completion.",
+        "context_length_exceeded",
+        param=_PROMPT_PARAM.get(kind, "messages"),
+    )
+
+
 def refusal(counter: Counter, now: float) -> ApiError:
     """The OpenAI-shaped 429 for the counter that would overflow, naming the limit."""
     retry = max(1.0, counter.window_end - now)

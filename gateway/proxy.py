@@ -312,6 +312,16 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
     context_length = route.context_length or counting.context_length(
         [u.base_url for u in route.upstreams], route.name
     )
+    if ex.api_route.tag == "generation" and context_length is not None:
+        # Refused here, before anything reaches an engine (or wakes a cold model).
+        too_long = limits.context_refusal(
+            ex.api_route.kind,
+            counting.prompt_floor(ex.prompt()),
+            body.max_tokens,
+            context_length,
+        )
+        if too_long is not None:
+            raise too_long
     plan = limits.plan(
         len(raw),
         body.max_tokens,

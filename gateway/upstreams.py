@@ -56,6 +56,7 @@ def load_table(version: int = 0) -> routing.Table:
             first_byte_timeout_s=entry.first_byte_timeout_s,
             stream_idle_timeout_s=entry.stream_idle_timeout_s,
             default_profile=entry.default_profile,
+            context_length=entry.context_length,
         )
         for entry in snapshot.models
     ]

@@ -308,6 +308,7 @@ class ModelOut(Schema):
     connect_timeout_s: float | None
     first_byte_timeout_s: float | None
     stream_idle_timeout_s: float | None
+    context_length: int | None
     enabled: bool
     replicas_desired: int
     replicas_ready: int
@@ -329,6 +330,7 @@ class ModelPatch(Strict):
     connect_timeout_s: float | None = Field(None, gt=0)
     first_byte_timeout_s: float | None = Field(None, gt=0)
     stream_idle_timeout_s: float | None = Field(None, gt=0)
+    context_length: int | None = Field(None, ge=1, le=2**31 - 1)
     enabled: bool | None = None
 
 

@@ -177,3 +177,17 @@ def test_replica_counts_under_other_profiles_round_trip_and_are_checked() -> Non
         )
         with pytest.raises(CatalogError, match=message):
             catalog.import_yaml(text)
+
+
+def test_a_models_context_length_round_trips_and_must_be_positive() -> None:
+    with_context = CATALOG.replace(
+        "    pinned: true\n", "    pinned: true\n    context_length: 8192\n"
+    )
+    catalog.import_yaml(with_context)
+    assert ServedModel.objects.get().context_length == 8192
+    exported = catalog.export_yaml()
+    assert yaml.safe_load(exported)["models"][0]["context_length"] == 8192
+    assert catalog.import_yaml(exported).updated == []
+    with pytest.raises(CatalogError, match="context_length"):
+        catalog.import_yaml(with_context.replace("context_length: 8192", "context_length: 0"))
+    assert ServedModel.objects.get().context_length == 8192

@@ -339,3 +339,64 @@ def test_without_a_max_token_field_the_context_the_engine_reports_is_reserved(
         wait_for_rows(api_key, 2)
     finally:
         sim.stop()
+
+
+def test_the_catalogs_context_length_is_reserved_from_the_first_request(
+    live: tuple[Proc, Proc, Proc], tmp_path: Path
+) -> None:
+    """A context length set in the catalog wins over what the engine reports, and needs no
+    first answer to learn it: the first request without a max-token field is bound to it."""
+    web, _, _ = live
+    sim = start_sim(tmp_path / "cat", ["cat"], "--max-model-len", "60", "--output-tokens", "100")
+    try:
+        key, api_key = make_key(budget=100_000)
+        serve_model("cat", [sim.port], context_length=40)
+        wait_until(
+            lambda: "cat" in [m.id for m in client(web, key).models.list().data],
+            what="the web process routes cat",
+        )
+        body = chat_body("cat")
+        status, _, raw = http("POST", web.url + "/v1/chat/completions", key=key, body=body)
+        assert status == 200, raw
+        assert json.loads(raw)["usage"]["completion_tokens"] == 40 - len(body) // 4
+        wait_for_rows(api_key, 1)
+    finally:
+        sim.stop()
+
+
+def test_a_request_that_cannot_fit_the_context_is_refused_before_the_engine_sees_it(
+    live: tuple[Proc, Proc, Proc], tmp_path: Path
+) -> None:
+    """Prompt plus the output asked for beyond the model's context: a 400 shaped as OpenAI's
+    (``context_length_exceeded``), naming the context, and nothing reaches the engine; a
+    request that fits still goes through."""
+    web, _, _ = live
+    sim = start_sim(tmp_path / "fit", ["fit"], "--max-model-len", "500")
+    try:
+        key, api_key = make_key()
+        serve_model("fit", [sim.port], context_length=100)
+        wait_until(
+            lambda: "fit" in [m.id for m in client(web, key).models.list().data],
+            what="the web process routes fit",
+        )
+        before = engine_requests(sim)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(web, key).chat.completions.create(
+                model="fit", messages=[{"role": "user", "content": "one two three"}], max_tokens=100
+            )
+        assert refused.value.status_code == 400 and refused.value.code == "context_length_exceeded"
+        assert "maximum context length is 100 tokens" in refused.value.message
+        long_prompt = chat_body("fit", messages=[{"role": "user", "content": "word " * 400}])
+        status, _, raw = http("POST", web.url + "/v1/chat/completions", key=key, body=long_prompt)
+        assert status == 400, raw
+        assert json.loads(raw)["error"]["code"] == "context_length_exceeded"
+        assert engine_requests(sim) == before, "the engine saw a request that cannot fit"
+
+        fits = chat_body("fit", max_tokens=50)
+        status, _, raw = http("POST", web.url + "/v1/chat/completions", key=key, body=fits)
+        assert status == 200, raw
+        wait_until(lambda: engine_requests(sim) == before + 1, what="the fitting request ran")
+        rows = wait_for_rows(api_key, 3)
+        assert sorted(r.status for r in rows) == [200, 400, 400]
+    finally:
+        sim.stop()

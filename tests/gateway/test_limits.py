@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 
-from gateway import limits
+from gateway import counting, limits
 from gateway.errors import ApiError
 from gateway.keys import KeyInfo, Scope, narrowest_models
 from tests.harness.live import close_db_thread
@@ -88,6 +88,28 @@ def test_the_reservation_covers_the_prompt_and_every_choice(settings: Any) -> No
     # With no max-token field, the context the model leaves after the prompt is reserved.
     assert limits.plan(400, None, 2, generates=True, context_length=1100) == limits.Plan(2100, 1000)
     assert limits.plan(400, None, 1, generates=False) == limits.Plan(100, None)
+
+
+def test_what_cannot_fit_the_context_is_a_400_naming_it_and_the_rest_may_pass() -> None:
+    too_long = limits.context_refusal("chat", 10, 100, 100)
+    assert too_long is not None and too_long.status == 400
+    assert too_long.code == "context_length_exceeded" and too_long.param == "messages"
+    assert too_long.type == "invalid_request_error"
+    assert "maximum context length is 100 tokens" in too_long.message
+    assert limits.context_refusal("chat", 10, 90, 100) is None, "exactly full fits"
+    # With no max-token field, only a prompt that leaves no room for one token is refused.
+    assert limits.context_refusal("completions", 99, None, 100) is None
+    alone = limits.context_refusal("completions", 100, None, 100)
+    assert alone is not None and alone.param == "prompt"
+    assert limits.context_refusal("responses", 10**6, 10**6, None) is None, "context unknown"
+
+
+def test_the_prompt_floor_never_exceeds_what_a_tokenizer_could_count() -> None:
+    chat = counting.prompt_of("chat", {"messages": [{"role": "user", "content": "x" * 80}]})
+    assert counting.prompt_floor(chat) == 80 // counting.FLOOR_BYTES_PER_TOKEN
+    batch = counting.prompt_of("completions", {"prompt": ["a" * 16, "b" * 800]})
+    assert counting.prompt_floor(batch) == 100, "the longest prompt, each its own sequence"
+    assert counting.prompt_floor(counting.Prompt()) == 0
 
 
 def test_refusals_are_429_with_retry_after_until_the_window_ends() -> None:

@@ -66,17 +66,18 @@ def test_two_web_processes_let_through_exactly_the_keys_rpm(
 
 
 @pytest.mark.parametrize("counters", ["store", "redis"])
-@pytest.mark.parametrize("holder", ["key", "user"])
+@pytest.mark.parametrize("holder", ["key", "user", "team"])
 def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
     tmp_path: Path, counters: str, holder: str, request: pytest.FixtureRequest
 ) -> None:
-    """A key's budget, or a user's spread over three keys, that covers one request: a bounded
-    few are admitted across two web processes, and what is spent stays within the budget plus
-    one request's reservation."""
+    """A key's budget, a user's spread over three keys, or a team's over the keys of two of
+    its members (two each), that covers one request: a bounded few are admitted across two web
+    processes, and what is spent stays within the budget plus one request's reservation."""
     from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
     from django.db.models import F, Sum
 
-    from gateway.models import UsageRecord, UserLimits
+    from gateway.models import TeamLimits, UsageRecord, UserLimits
 
     extra = {}
     if counters == "redis":
@@ -89,11 +90,17 @@ def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
     budget = reservation + 5
     if holder == "key":
         keys = [make_key(budget=budget)]
-    else:
+    elif holder == "user":
         keys = [make_key("bob") for _ in range(3)]
         UserLimits.objects.create(
             user=get_user_model().objects.get(username="bob"), token_budget=budget
         )
+    else:
+        # Alternating owners: consecutive requests come from different members' keys.
+        keys = [make_key(member) for _ in range(2) for member in ("carol", "dave")]
+        team = Group.objects.create(name="research")
+        team.user_set.add(*get_user_model().objects.filter(username__in=["carol", "dave"]))
+        TeamLimits.objects.create(team=team, token_budget=budget)
     sim = start_sim(tmp_path, ["lim"])
     webs = [start_web(tmp_path / "var", **extra), start_web(tmp_path / "var", **extra)]
     try:
@@ -101,17 +108,20 @@ def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
         for web in webs:
             wait_until(partial(routes, web, keys[0][0], "lim"), what=f"{web.name} routes lim")
         statuses: list[int] = []
+        served_owners: set[int] = set()
         lock = threading.Lock()
         start = threading.Barrier(50)
 
         def call(index: int) -> None:
-            key = keys[index % len(keys)][0]
+            key, api_key = keys[index % len(keys)]
             start.wait(60)
             status, _, _ = http(
                 "POST", webs[index % 2].url + "/v1/chat/completions", key=key, body=body
             )
             with lock:
                 statuses.append(status)
+                if status == 200:
+                    served_owners.add(api_key.user_id)
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(50)]
         for thread in threads:
@@ -126,6 +136,16 @@ def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
             t=Sum(F("prompt_tokens") + F("completion_tokens"))
         )["t"]
         assert 0 < spent <= budget + reservation
+        if holder == "team":
+            # What one request really cost leaves less than another reservation, so a budget
+            # shared by the team admits nothing more from either member (counters kept per
+            # member would let each member through).
+            first = min(
+                r.prompt_tokens + r.completion_tokens
+                for r in UsageRecord.objects.filter(status=200, api_key__in=[k for _, k in keys])
+            )
+            assert budget - first < reservation
+            assert admitted == 1 and len(served_owners) == 1, (statuses, served_owners)
     finally:
         stop_checked(*webs)
         sim.stop()

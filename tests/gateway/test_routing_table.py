@@ -50,3 +50,11 @@ def test_only_ready_running_replicas_on_healthy_undrained_nodes_take_traffic() -
     Node.objects.filter(shards__replica=first).update(health=Node.Health.UNREACHABLE)
     cold = load_table().resolve("m")
     assert cold is not None and cold.upstreams == () and cold.catalog_id == served.model.pk
+
+
+def test_a_models_catalog_context_length_reaches_its_route() -> None:
+    serve_model("sized", [8001], context_length=4096)
+    serve_model("unsized", [8002])
+    sized, unsized = load_table().resolve("sized"), load_table().resolve("unsized")
+    assert sized is not None and sized.context_length == 4096
+    assert unsized is not None and unsized.context_length is None, "left to what the engine says"

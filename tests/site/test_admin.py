@@ -459,6 +459,33 @@ def test_model_with_min_above_max_is_refused_by_the_form_not_a_database_error() 
     assert not ServedModel.objects.exists()
 
 
+def test_a_models_context_length_is_set_in_the_admin_and_zero_is_refused() -> None:
+    profile = make_profile()
+    client = staff_client()
+    form = {
+        "name": "m",
+        "aliases": "[]",
+        "source": "s",
+        "enabled": "on",
+        "default_profile": profile.pk,
+        "profiles": [profile.pk],
+        "min_replicas": 0,
+        "max_replicas": 1,
+        "idle_timeout_s": 60,
+        "activation_timeout_s": 60,
+        "max_waiting": 10,
+        "scales-TOTAL_FORMS": "0",
+        "scales-INITIAL_FORMS": "0",
+    }
+    refused = client.post("/admin/control/servedmodel/add/", {**form, "context_length": 0})
+    assert refused.status_code == 200 and not ServedModel.objects.exists()
+    assert refused.context_data is not None
+    assert "context_length" in refused.context_data["adminform"].form.errors
+    saved = client.post("/admin/control/servedmodel/add/", {**form, "context_length": 8192})
+    assert saved.status_code == 302
+    assert ServedModel.objects.get().context_length == 8192
+
+
 # --------------------------------------------------------------------------- usage
 
 

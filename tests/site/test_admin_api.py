@@ -250,6 +250,10 @@ def test_models_create_read_update_delete(api: Api) -> None:
     status, body = api.call("PATCH", "/models/llama3", {"aliases": ["l3"], "idle_timeout_s": 60})
     assert status == 200 and body["aliases"] == ["l3"] and body["idle_timeout_s"] == 60
     assert api.get("/models/llama3")["default_profile"] == "sim"
+    assert api.get("/models/llama3")["context_length"] is None, "as the engine reports it"
+    status, body = api.call("PATCH", "/models/llama3", {"context_length": 8192})
+    assert status == 200 and body["context_length"] == 8192
+    assert ServedModel.objects.get().context_length == 8192
     assert api.get("/models")["count"] == 1
     assert api.call("DELETE", "/models/llama3")[0] == 204
     assert not ServedModel.objects.exists()
@@ -277,6 +281,8 @@ def test_deleting_a_model_tells_the_nodes_that_ran_it(api: Api) -> None:
           "max_replicas": 1}, 422, "min_replicas"),
         ({"name": "m", "source": "s", "default_profile": "sim", "profiles": ["sim", "x"]}, 422,
          "profiles[1]"),
+        ({"name": "m", "source": "s", "default_profile": "sim", "context_length": 0}, 422,
+         "context_length"),
     ],
 )  # fmt: skip
 def test_a_bad_model_is_refused_naming_the_field(
