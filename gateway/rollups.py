@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -30,6 +30,7 @@ from django.utils import timezone
 
 from gateway.models import ApiKey, RollupMark, UsageRecord, UsageRollup
 
+_Row = TypeVar("_Row", UsageRecord, UsageRollup)
 logger = logging.getLogger(__name__)
 
 MARK = "usage"
@@ -169,29 +170,22 @@ class Selector:
         return None
 
     def raw(self, rows: QuerySet[UsageRecord]) -> QuerySet[UsageRecord]:
-        if self.key_id is not None:
-            rows = rows.filter(api_key_id=self.key_id)
-        if self.user_id is not None:
-            rows = rows.filter(user_id=self.user_id)
-        users, keys = self._user_ids(), self._key_ids()
-        if users is not None:
-            rows = rows.filter(user_id__in=users)
-        if keys is not None:
-            rows = rows.filter(api_key_id__in=keys)
-        if self.model is not None:
-            rows = rows.filter(model=self.model)
-        return rows
+        return self._narrow(rows, key_field="api_key_id")
 
     def rolled(self, rows: QuerySet[UsageRollup]) -> QuerySet[UsageRollup]:
+        return self._narrow(rows, key_field="key_id")
+
+    def _narrow(self, rows: QuerySet[_Row], *, key_field: str) -> QuerySet[_Row]:
+        """The rows this scope covers; raw rows and rollups name the key's column apart."""
         if self.key_id is not None:
-            rows = rows.filter(key_id=self.key_id)
+            rows = rows.filter(**{key_field: self.key_id})
         if self.user_id is not None:
             rows = rows.filter(user_id=self.user_id)
         users, keys = self._user_ids(), self._key_ids()
         if users is not None:
             rows = rows.filter(user_id__in=users)
         if keys is not None:
-            rows = rows.filter(key_id__in=keys)
+            rows = rows.filter(**{f"{key_field}__in": keys})
         if self.model is not None:
             rows = rows.filter(model=self.model)
         return rows
