@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from email.message import Message
 from functools import partial
 from pathlib import Path
@@ -48,13 +49,19 @@ def test_two_web_processes_let_through_exactly_the_keys_rpm(
                 results.append((status, headers))
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(30)]
+        first_minute = int(time.time() // 60)
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(120)
+        last_minute = int(time.time() // 60)
         statuses = sorted(status for status, _ in results)
-        # Unless the minute turned during the burst, exactly the limit passes.
-        assert statuses.count(200) in (10, 20), statuses
+        # Within one minute exactly the limit passes; a burst the minute turned in (a slow one,
+        # on a loaded machine) gets up to the limit on each side of the turn.
+        if first_minute == last_minute:
+            assert statuses.count(200) == 10, statuses
+        else:
+            assert 10 <= statuses.count(200) <= 20, statuses
         refused = [h for s, h in results if s == 429]
         assert len(refused) == 30 - statuses.count(200)
         assert all(1 <= int(h["Retry-After"]) <= 60 for h in refused)
