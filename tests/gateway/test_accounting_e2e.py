@@ -4,6 +4,7 @@ way real ones do (no usage in streams, streams cut clean, nonsense counts), the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterator
@@ -36,15 +37,16 @@ DEFAULT_MAX = 4
 @pytest.fixture
 def live(tmp_path: Path) -> Iterator[tuple[Proc, Proc, Proc]]:
     """A web process, a sim with vLLM's /tokenize and one without."""
-    sim = start_sim(tmp_path, ["acc"])
-    bare = start_sim(tmp_path, ["bare"], "--no-tokenize")
-    web = start_web(tmp_path / "var", LLMGW_DEFAULT_MAX_TOKENS=str(DEFAULT_MAX))
-    try:
+    # Each process is stopped even when a later one fails to start or a check at the end
+    # fails: none outlives the test.
+    with contextlib.ExitStack() as stack:
+        sim = start_sim(tmp_path, ["acc"])
+        stack.callback(sim.stop)
+        bare = start_sim(tmp_path, ["bare"], "--no-tokenize")
+        stack.callback(bare.stop)
+        web = start_web(tmp_path / "var", LLMGW_DEFAULT_MAX_TOKENS=str(DEFAULT_MAX))
+        stack.callback(stop_checked, web)
         yield web, sim, bare
-    finally:
-        stop_checked(web)
-        sim.stop()
-        bare.stop()
 
 
 def client(web: Proc, key: str) -> openai.OpenAI:
