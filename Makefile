@@ -45,13 +45,19 @@ typecheck: $(TEST_STAMP)
 migrations-check: $(TEST_STAMP)
 	$(PY) manage.py makemigrations --check --dry-run
 
+# Each pass runs its modules in TEST_WORKERS processes (pytest-xdist; a module's tests stay in
+# one, as they share its cluster): most of a test's time is spent waiting on the processes it
+# started, so modules side by side fill the cores. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 3
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 pytest-sqlite: $(TEST_STAMP)
-	DATABASE_URL=sqlite:///var/test.sqlite3 $(PY) -m pytest $(PYTEST_ARGS)
+	DATABASE_URL=sqlite:///var/test.sqlite3 $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 pytest-postgres: $(TEST_STAMP)
 	@$(PY) -m tests.harness.require_postgres; rc=$$?; \
 	if [ $$rc = 0 ]; then \
-	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest --store-tests-only $(PYTEST_ARGS); \
+	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest $(XDIST) --store-tests-only $(PYTEST_ARGS); \
 	elif [ $$rc != 3 ]; then exit $$rc; fi
 
 # Everything at once, each target's output kept together: most of a test pass is spent

@@ -8,8 +8,11 @@ request waits for a cold model. Other processes see a change within one refresh 
 Outstanding-request counts and ejections are per process: each web process balances the
 requests it holds, which is what least-outstanding needs, without shared state. What the
 control plane needs of them is reported off the request path by the same background task:
-requests in flight per replica (whenever the set of busy replicas changes, and as a heartbeat)
-and when each replica last finished one, so a replica is never scaled down under a request.
+requests in flight per replica (as a heartbeat, whenever the set of busy replicas changed since
+the last report, and at once when a replica idle for a while goes busy) and when each replica
+last finished one, so a replica is never scaled down under a request. A report alone does not
+reload the table: at one request at a time, every request flips its replica busy and idle, and
+reloading on each flip cost more CPU than the request itself.
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ class Upstreams:
         self._background: set[asyncio.Task[Any]] = set()
         self._versions = itertools.count(1)
         self._refreshed: asyncio.Event | None = None
+        self._reload_wanted = True
+        self._active_at: dict[str, float] = {}  # replica upstream id -> last busy, monotonic
 
     # --- the table ------------------------------------------------------------------------
 
@@ -164,9 +169,13 @@ class Upstreams:
 
     async def _run(self) -> None:
         assert self._wake is not None and self._first_load is not None
+        reload_at = -math.inf
         while True:
             try:
-                await self.refresh()
+                if self._reload_wanted or time.monotonic() >= reload_at:
+                    self._reload_wanted = False
+                    reload_at = time.monotonic() + float(settings.LLMGW_ROUTING_REFRESH)
+                    await self.refresh()
                 await self._write_stamps()
                 await self._report_in_flight()
             except DatabaseError as exc:
@@ -181,16 +190,25 @@ class Upstreams:
                 # web process took 70-400 ms (measured under `make bench`), stalling every
                 # request in flight; frozen, collections only scan what requests allocate.
                 gc.freeze()
-            interval = float(settings.LLMGW_ROUTING_REFRESH)
             if any(self.waiting.values()):
-                interval /= 4
+                reload_at = min(
+                    reload_at, time.monotonic() + float(settings.LLMGW_ROUTING_REFRESH) / 4
+                )
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
+                async with asyncio.timeout(max(0.0, reload_at - time.monotonic())):
                     await self._wake.wait()
             self._wake.clear()
 
     def request_refresh(self) -> None:
         """Reload soon; safe from any thread (signal handlers run in the database thread)."""
+        self._reload_wanted = True
+        self._request_cycle()
+
+    def request_report(self) -> None:
+        """Write stamps and in-flight counts soon, without reloading the table."""
+        self._request_cycle()
+
+    def _request_cycle(self) -> None:
         loop, wake = self._loop, self._wake
         if loop is None or wake is None or loop.is_closed():
             return
@@ -213,9 +231,14 @@ class Upstreams:
     def acquire(self, upstream: routing.Upstream) -> None:
         count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
         if count == 1 and upstream.id.startswith("replica:"):
-            # A replica going busy is reported at once, not at the next refresh: until then
-            # the reconciler could take it for idle.
-            self.request_refresh()
+            now = time.monotonic()
+            if now - self._active_at.get(upstream.id, -math.inf) >= serving.STAMP_EVERY_S:
+                # A replica idle for a while going busy is reported at once, not at the next
+                # cycle: until then the reconciler could take it for idle. One busy within
+                # the stamp interval is recent use in the store already (its finish time is
+                # written by then), and the next cycle reports it.
+                self.request_report()
+            self._active_at[upstream.id] = now
 
     def release(self, upstream: routing.Upstream) -> None:
         left = self.outstanding.get(upstream.id, 1) - 1
@@ -225,9 +248,9 @@ class Upstreams:
             self.outstanding[upstream.id] = left
         if upstream.id.startswith("replica:"):
             self._finished[int(upstream.id[8:])] = timezone.now()
-        if left <= 0:
-            # A replica going idle is worth reporting soon: it may now be scaled down.
-            self.request_refresh()
+            self._active_at[upstream.id] = time.monotonic()
+        # A replica going idle is reported by the next cycle (within a refresh interval): it
+        # may then be scaled down, which is not urgent.
 
     def busy_replicas(self) -> dict[int, int]:
         """Requests this process has in flight, per replica."""
@@ -261,7 +284,7 @@ class Upstreams:
         else:
             self._pending_profile_demand.add((route.catalog_id, route.profile))
         # Demand is what starts a cold model: write it now, not at the next refresh.
-        self.request_refresh()
+        self.request_report()
 
     async def _write_stamps(self) -> None:
         now = time.monotonic()
@@ -287,6 +310,9 @@ class Upstreams:
         counts, and this process's activation waiters, from going stale)."""
         busy = self.busy_replicas()
         now = time.monotonic()
+        self._active_at = {
+            uid: at for uid, at in self._active_at.items() if now - at < serving.STAMP_EVERY_S
+        }
         if (
             frozenset(busy) == self._reported_busy
             and now - self._reported_at < serving.CONFIRM_EVERY_S

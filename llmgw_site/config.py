@@ -12,6 +12,12 @@ from dataclasses import dataclass
 
 # How long a stopping web process lets requests in flight finish (LLMGW_SHUTDOWN_GRACE).
 DEFAULT_SHUTDOWN_GRACE = 30.0
+# How long a stopping web process keeps an idle kept-alive connection open (LLMGW_IDLE_LINGER):
+# longer than the common clients' own idle expiry (httpx, and so the openai client: 5 s), so
+# that the client drops the connection first and never sends a request into the server's
+# close. (At 1 s, a loaded machine showed one such request error in a rolling restart of 200
+# streams.) Behind a balancer whose idle timeout is known, it can be shorter.
+DEFAULT_IDLE_LINGER = 10.0
 
 
 class ConfigError(Exception):

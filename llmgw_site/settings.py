@@ -17,6 +17,7 @@ import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
 from llmgw_site.config import (
+    DEFAULT_IDLE_LINGER,
     DEFAULT_SHUTDOWN_GRACE,
     ConfigError,
     env_bool,
@@ -337,6 +338,9 @@ LLMGW_STREAM_IDLE_TIMEOUT: float = _read(env_float, "LLMGW_STREAM_IDLE_TIMEOUT",
 LLMGW_ACCESS_LOG: bool = _read(env_bool, "LLMGW_ACCESS_LOG", False)
 # A stopping web process lets requests and streams in flight run this long, then ends them.
 LLMGW_SHUTDOWN_GRACE: float = _read(env_float, "LLMGW_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE)
+# ...and keeps an idle kept-alive connection open this long, so the client closes it first
+# (read by the web process itself; here so that a bad value stops `manage.py run` at once).
+LLMGW_IDLE_LINGER: float = _read(env_float, "LLMGW_IDLE_LINGER", DEFAULT_IDLE_LINGER)
 LLMGW_STATIC_ENDPOINTS = _read(parse_static_endpoints, "LLMGW_STATIC_ENDPOINTS") or ()
 
 # --- the gateway (/v1) --------------------------------------------------------------------------

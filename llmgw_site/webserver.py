@@ -39,7 +39,7 @@ from types import FrameType
 import uvicorn
 
 from gateway.drain import drain
-from llmgw_site.config import DEFAULT_SHUTDOWN_GRACE, env_bool, env_float
+from llmgw_site.config import DEFAULT_IDLE_LINGER, DEFAULT_SHUTDOWN_GRACE, env_bool, env_float
 
 logger = logging.getLogger("llmgw.webserver")
 
@@ -47,11 +47,6 @@ logger = logging.getLogger("llmgw.webserver")
 CUT_MARGIN_SECONDS = 3.0
 # Signals this close together are one stop told twice, not an operator insisting.
 SAME_STOP_SECONDS = 2.0
-# A stopping process closes a kept-alive connection once it has been idle this long: longer
-# than the common clients' own idle expiry (httpx, and so the openai client: 5 s), so that the
-# client drops the connection first and never sends a request into the server's close. (At
-# 1 s, a loaded machine showed one such request error in a rolling restart of 200 streams.)
-IDLE_LINGER_SECONDS = 10.0
 # Longer than a balancer's or client pool's own idle timeout (60 s is common), so that the
 # client side closes first and never sends on a connection the server is closing.
 KEEP_ALIVE_SECONDS = 75
@@ -64,9 +59,17 @@ ROLES = ("client", "admin", "metrics", "agent")
 class WebServer(uvicorn.Server):
     """uvicorn with llmgw's stop: drain, cut at the grace, a readiness byte at start."""
 
-    def __init__(self, config: uvicorn.Config, *, grace: float, ready_fd: int | None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        *,
+        grace: float,
+        ready_fd: int | None,
+        idle_linger: float = DEFAULT_IDLE_LINGER,
+    ) -> None:
         super().__init__(config)
         self.grace = grace
+        self.idle_linger = idle_linger
         self.ready_fd = ready_fd
         self.first_signal_at: float | None = None
 
@@ -98,7 +101,7 @@ class WebServer(uvicorn.Server):
         """uvicorn's stop, but kinder to kept-alive connections: uvicorn closes idle ones at
         once, and a client that sends its next request on one in that instant sees a
         connection error. Here an idle connection stays open until it has been idle for
-        ``IDLE_LINGER_SECONDS``; a request that arrives on it meanwhile is served, answered
+        ``LLMGW_IDLE_LINGER`` seconds; a request that arrives on it meanwhile is served, answered
         with ``Connection: close`` (``llmgw_site.asgi`` adds it while draining), and the
         connection closes after that answer, which no client mistakes for an error."""
         for server in self.servers:
@@ -128,7 +131,7 @@ class WebServer(uvicorn.Server):
             for connection in list(state.connections):
                 if not idle(connection):
                     idle_since.pop(connection, None)
-                elif now - idle_since.setdefault(connection, now) >= IDLE_LINGER_SECONDS:
+                elif now - idle_since.setdefault(connection, now) >= self.idle_linger:
                     connection.shutdown()
             await asyncio.sleep(0.05)
         for server in self.servers:
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     os.environ["LLMGW_LISTENER_PORTS"] = ",".join(f"{role}={port}" for role, port in ports.items())
     grace = env_float(os.environ, "LLMGW_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE)
+    idle_linger = env_float(os.environ, "LLMGW_IDLE_LINGER", DEFAULT_IDLE_LINGER)
     access_log = args.access_log or env_bool(os.environ, "LLMGW_ACCESS_LOG", False)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING)
@@ -213,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     # (a closed terminal) keeps serving until it is told to stop.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     config = build_config(args.app, access_log=access_log, grace=grace)
-    WebServer(config, grace=grace, ready_fd=args.ready_fd).run(sockets=sockets)
+    server = WebServer(config, grace=grace, ready_fd=args.ready_fd, idle_linger=idle_linger)
+    server.run(sockets=sockets)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ FAST = {
     "LLMGW_BACKOFF_MAX": "2",
     "LLMGW_DRAIN_TIMEOUT": "3",
     "LLMGW_LOG_LEVEL": "INFO",
+    "LLMGW_IDLE_LINGER": "0.5",  # a stop does not wait out the test's idle client connections
 }
 
 

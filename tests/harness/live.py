@@ -32,6 +32,9 @@ WEB_SETTINGS = {
     "LLMGW_KEY_CACHE_TTL": "0.3",
     "LLMGW_USAGE_FLUSH_INTERVAL": "0.05",
     "LLMGW_LOG_LEVEL": "INFO",
+    # A stop does not wait out the test's own idle client connections for 10 s; the rolling
+    # restart test keeps the default, which is what spares clients an error there.
+    "LLMGW_IDLE_LINGER": "0.5",
 }
 
 
