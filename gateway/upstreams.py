@@ -121,7 +121,7 @@ class Upstreams:
         self._versions = itertools.count(1)
         self._refreshed: asyncio.Event | None = None
         self._reload_wanted = True
-        self._active_at: dict[str, float] = {}  # replica upstream id -> last busy, monotonic
+        self._active_at: dict[str, float] = {}  # replica upstream id -> last finish, monotonic
 
     # --- the table ------------------------------------------------------------------------
 
@@ -202,13 +202,10 @@ class Upstreams:
     def request_refresh(self) -> None:
         """Reload soon; safe from any thread (signal handlers run in the database thread)."""
         self._reload_wanted = True
-        self._request_cycle()
+        self.request_report()
 
     def request_report(self) -> None:
-        """Write stamps and in-flight counts soon, without reloading the table."""
-        self._request_cycle()
-
-    def _request_cycle(self) -> None:
+        """Write stamps and in-flight counts soon (the table only if a reload is wanted)."""
         loop, wake = self._loop, self._wake
         if loop is None or wake is None or loop.is_closed():
             return
@@ -231,14 +228,13 @@ class Upstreams:
     def acquire(self, upstream: routing.Upstream) -> None:
         count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
         if count == 1 and upstream.id.startswith("replica:"):
-            now = time.monotonic()
-            if now - self._active_at.get(upstream.id, -math.inf) >= serving.STAMP_EVERY_S:
+            last_finished = self._active_at.get(upstream.id, -math.inf)
+            if time.monotonic() - last_finished >= serving.STAMP_EVERY_S:
                 # A replica idle for a while going busy is reported at once, not at the next
-                # cycle: until then the reconciler could take it for idle. One busy within
-                # the stamp interval is recent use in the store already (its finish time is
-                # written by then), and the next cycle reports it.
+                # cycle: until then the reconciler could take it for idle. One that finished
+                # a request within the stamp interval is recent use in the store already (its
+                # finish time is written by then), and the next cycle reports it.
                 self.request_report()
-            self._active_at[upstream.id] = now
 
     def release(self, upstream: routing.Upstream) -> None:
         left = self.outstanding.get(upstream.id, 1) - 1

@@ -9,6 +9,7 @@ likely; then the real beat and worker run for 40 ticks with both cores kept busy
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import threading
@@ -122,6 +123,10 @@ def test_beat_and_worker_on_the_embedded_broker_tick_steadily_with_both_cores_bu
         wait_until(lambda: ticked(TICKS), what=f"{TICKS} ticks", timeout=TICKS * 10, logs=[worker])
         assert worker.running() and beat.running()
         assert "JSONDecodeError" not in worker.log(), worker.tail()
+        gaps = [(b - a) / 1000 for a, b in itertools.pairwise(stamps)]
+        # Nor are two ticks in a row dropped: no gap between renewals (on the database's
+        # clock) spans more than one missed interval.
+        assert max(gaps) < 2 * interval + 0.5, f"longest gap between ticks {max(gaps):.2f}s"
     finally:
         for burner in burners:
             burner.kill()
