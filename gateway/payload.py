@@ -19,6 +19,7 @@ client sees exactly the answers it saw before.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -212,6 +213,21 @@ def clamp_count(value: Any) -> int:
     return min(value, MAX_COUNT)
 
 
+def _reported(value: Any) -> int | None:
+    """A reported count as an integer, or None when it is not a number (pure). A float counts
+    too: orjson reads an integer past 64 bits (``10**23``) as one, and some servers write
+    ``12.0``; infinities and NaN come out of range, so they are clamped and noted."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return int(value)
+        return MAX_COUNT + 1 if value == math.inf else -1
+    return None
+
+
 def tokens_of(usage: Any) -> Tokens | None:
     """Normalize a usage object: chat/completions/embeddings (prompt_/completion_tokens) and
     the Responses API (input_/output_tokens). Counts are clamped to 0..2^31-1; what was
@@ -220,25 +236,31 @@ def tokens_of(usage: Any) -> Tokens | None:
         return None
     clamped: list[tuple[str, str]] = []
 
+    def count(name: str, raw: Any) -> int | None:
+        value = _reported(raw)
+        if value is None:
+            return None
+        if clamp_count(value) != value:
+            clamped.append((name, str(raw)[:40]))
+        return clamp_count(value)
+
     def number(*names: str) -> int:
         for name in names:
-            value = usage.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if clamp_count(value) != value:
-                    clamped.append((name, str(value)[:40]))
-                return clamp_count(value)
+            value = count(name, usage.get(name))
+            if value is not None:
+                return value
         return 0
 
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if isinstance(cached, int) and clamp_count(cached) != cached:
-        clamped.append(("cached_tokens", str(cached)[:40]))
+    cached = count(
+        "cached_tokens", details.get("cached_tokens") if isinstance(details, dict) else None
+    )
     prompt = number("prompt_tokens", "input_tokens")
     completion = number("completion_tokens", "output_tokens")
     if prompt == 0 and completion == 0:
         # Embeddings and rerank may report only a total.
         prompt = number("total_tokens")
-    return Tokens(prompt, completion, clamp_count(cached), tuple(clamped))
+    return Tokens(prompt, completion, cached or 0, tuple(clamped))
 
 
 def usage_of_body(body: bytes) -> tuple[Tokens | None, str]:

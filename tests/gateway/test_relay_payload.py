@@ -279,3 +279,23 @@ def test_reported_counts_are_clamped_and_noted() -> None:
     assert (tokens.prompt, tokens.completion) == (0, 2**31 - 1)
     assert dict(tokens.clamped) == {"prompt_tokens": "-5000", "completion_tokens": str(10**23)}
     assert payload.tokens_of({"prompt_tokens": 3, "completion_tokens": 1}) == payload.Tokens(3, 1)
+
+
+def test_a_streamed_count_past_64_bits_is_clamped_not_zeroed() -> None:
+    """orjson reads 10**23 in a usage event as a float; it was taken as no count at all (a
+    free prompt, and no Event). Floats are counts too, and out-of-range ones are noted."""
+    sse = payload.SseFilter(hide_usage_chunk=False)
+    sse.feed(b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop"}]}\n\n')
+    sse.feed(
+        b'data: {"choices":[],"usage":{"prompt_tokens":100000000000000000000000,'
+        b'"completion_tokens":3}}\n\ndata: [DONE]\n\n'
+    )
+    assert sse.tokens is not None
+    assert (sse.tokens.prompt, sse.tokens.completion) == (2**31 - 1, 3)
+    assert [name for name, _ in sse.tokens.clamped] == ["prompt_tokens"]
+    tokens = payload.tokens_of(
+        {"prompt_tokens": 12.0, "completion_tokens": float("inf"), "total_tokens": float("nan")}
+    )
+    assert tokens is not None
+    assert (tokens.prompt, tokens.completion) == (12, 2**31 - 1)
+    assert dict(tokens.clamped) == {"completion_tokens": "inf"}

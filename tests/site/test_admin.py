@@ -552,3 +552,28 @@ def test_usage_filters_by_day_status_and_key_without_scanning_for_choices() -> N
     assert rows(f"day={today}&status_class=2&api_key__id__exact={first.pk}") == 1
     page = client.get("/admin/gateway/usagerecord/").content.decode()
     assert f"{first.prefix}… (alice)" in page and "5xx" in page and "today" in page
+
+
+def test_the_admin_shows_spend_against_budget_per_key_user_and_team() -> None:
+    from django.contrib.auth.models import Group
+
+    from gateway.models import TeamLimits, UserLimits
+
+    alice, bob = make_user("alice"), make_user("bob")
+    _, first = make_key("alice", budget=1000, budget_period="day")
+    _, second = make_key("alice")
+    _, bobs = make_key("bob")
+    for api_key in (first, second, bobs):
+        make_usage(model="m", api_key=api_key)  # 10 + 20 tokens each
+    UserLimits.objects.create(user=alice, token_budget=200, budget_period="month")
+    team = Group.objects.create(name="ml")
+    team.user_set.add(alice, bob)
+    TeamLimits.objects.create(team=team, token_budget=500, budget_period="week")
+    client = staff_client()
+
+    keys = client.get("/admin/gateway/apikey/").content.decode()
+    assert "30 of 1000 per day (3%)" in keys and "30 (no budget)" in keys
+    users = client.get("/admin/gateway/userlimits/").content.decode()
+    assert "60 of 200 per month (30%)" in users  # both of alice's keys
+    teams = client.get("/admin/gateway/teamlimits/").content.decode()
+    assert "90 of 500 per week (18%)" in teams  # every member's keys
