@@ -6,6 +6,10 @@ outcome is read, so the three outcomes are compared on equal terms. Who did it d
 (``admin:root``, ``cli:…``, ``token:ops``) and is normalised; so are the parts a change mints
 afresh each time (a token's prefix, a certificate's serial), which are checked to be there.
 
+A catalog entry (a profile or a model) is created or changed through the admin's add and change
+forms, ``manage.py import_catalog`` with a file, and the API's routes (which call the same
+import); the whole catalog document (``export_catalog``'s) must come out the same.
+
 Issuing a node certificate has two edges, the command and the API: the admin does not offer it,
 because it would hand a private key to a browser page.
 """
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from django.conf import settings
 from django.contrib.auth.models import Group
 from django.core.management import call_command
@@ -28,9 +33,10 @@ from django.db import transaction
 from django.test import Client
 
 from control import node_certs, node_tokens
-from control.models import Event, Node, Replica, ServedModel
+from control.models import Event, Node, Profile, Replica, ServedModel
 from gateway import people as gateway_people
 from gateway.models import ApiKey, TeamLimits, UserLimits
+from llmgw_site import catalog as catalog_document
 from llmgw_site.admin_api import tokens
 from llmgw_site.admin_api.models import AdminToken
 from tests.harness.factories import make_key, make_model, make_node, make_replica, make_user
@@ -124,6 +130,7 @@ def outcome() -> dict[str, Any]:
         "nodes": nodes(),
         "replicas": replicas(),
         "catalog": catalog(),
+        "document": catalog_document.export(),  # every field of every profile and model
         "keys": api_keys(),
         "limits": limits(),
     }
@@ -260,7 +267,90 @@ def scale_form(world: World) -> None:
     assert response.status_code == 302, response.content.decode()[:2000]
 
 
+def import_catalog(document: dict[str, Any]) -> Callable[[World], object]:
+    """The command's edge for a catalog entry: ``manage.py import_catalog`` reading a file."""
+
+    def edge(world: World) -> None:
+        path = Path(settings.LLMGW_CA_DIR).parent / "catalog.yaml"
+        path.write_text(yaml.safe_dump(document))
+        command("import_catalog", str(path))
+
+    return edge
+
+
+PROFILE = {"engine": "vllm", "args": ["--tp", "2"], "env": {"A": "1"}, "gpus_per_shard": 2,
+           "gpu_memory_mib": 70000, "gpu_selector": {"gpu": "h100"},
+           "placement_strategy": "spread", "startup_timeout_s": 900}  # fmt: skip
+QWEN = {"source": "org/qwen", "aliases": ["q"], "context_length": 8192}
+LLAMA3_EDIT = {"aliases": ["l3"], "idle_timeout_s": 60, "enabled": False}
+
+
+def profile_form(world: World, name: str, fields: dict[str, Any], *, add: bool) -> None:
+    if add:
+        url = "/admin/control/profile/add/"
+        current: dict[str, Any] = {
+            "engine": "sim", "args": [], "env": {}, "gpus_per_shard": 1, "shards_per_replica": 1,
+            "gpu_memory_mib": 0, "gpu_selector": {}, "placement_strategy": "binpack",
+            "health_path": "/health", "startup_timeout_s": 600,
+        }  # fmt: skip
+    else:
+        row = Profile.objects.get(name=name)
+        url = f"/admin/control/profile/{row.pk}/change/"
+        current = catalog_document._values(row, catalog_document._columns(Profile))
+    data = {**current, **fields, "name": name}
+    form = {k: json.dumps(v) if isinstance(v, list | dict) else str(v) for k, v in data.items()}
+    response = world.admin.post(url, form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+
+
+def model_form(world: World, name: str, fields: dict[str, Any], *, add: bool) -> None:
+    model = ServedModel.objects.filter(name=name).first()
+    current = (
+        {"aliases": [], "enabled": True, "min_replicas": 0, "max_replicas": 1,
+         "idle_timeout_s": 900, "pinned": False, "activation_timeout_s": 600, "max_waiting": 100}
+        if model is None
+        else catalog_document._values(model, catalog_document._columns(ServedModel))
+    )  # fmt: skip
+    data = {**current, **fields}
+    profile = Profile.objects.get(name=data.pop("default_profile", "llama3-sim"))
+    form: dict[str, Any] = {
+        "name": name,
+        "default_profile": str(profile.pk),
+        "profiles": [str(profile.pk)],
+        "scales-TOTAL_FORMS": "0",
+        "scales-INITIAL_FORMS": "0",
+        "scales-MIN_NUM_FORMS": "0",
+        "scales-MAX_NUM_FORMS": "1000",
+    }
+    for key, value in data.items():
+        if isinstance(value, bool):
+            if value:
+                form[key] = "on"
+        elif isinstance(value, list | dict):
+            form[key] = json.dumps(value)
+        else:
+            form[key] = "" if value is None else str(value)
+    if add:
+        url = "/admin/control/servedmodel/add/"
+    else:
+        assert model is not None
+        url = f"/admin/control/servedmodel/{model.pk}/change/"
+    response = world.admin.post(url, form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+
+
 Edge = Callable[[World], object]
+
+
+def with_team_limits(edge: Edge) -> Edge:
+    """The team given limits first (the same way on every edge), then ``edge``."""
+
+    def run(world: World) -> object:
+        gateway_people.set_team_limits(world.ids["team"], actor="setup", tpm_limit=10)
+        return edge(world)
+
+    return run
+
 
 CHANGES: dict[str, tuple[Edge | None, Edge, Edge]] = {
     "cordon": (
@@ -365,6 +455,45 @@ CHANGES: dict[str, tuple[Edge | None, Edge, Edge]] = {
         delete_user_limits_form,
         lambda w: command("set_limits", "--user", "alice", "--clear"),
         lambda w: api_call(w, "delete", "/users/alice/limits"),
+    ),
+    "clear team limits": (
+        with_team_limits(
+            lambda w: w.admin.post(
+                f"/admin/gateway/teamlimits/{TeamLimits.objects.get().pk}/delete/", {"post": "yes"}
+            )
+        ),
+        with_team_limits(lambda w: command("set_limits", "--team", "research", "--clear")),
+        with_team_limits(lambda w: api_call(w, "delete", "/teams/research/limits")),
+    ),
+    "create profile": (
+        lambda w: profile_form(w, "vllm-tp2", PROFILE, add=True),
+        import_catalog({"profiles": [{"name": "vllm-tp2", **PROFILE}]}),
+        lambda w: api_call(w, "post", "/profiles", {"name": "vllm-tp2", **PROFILE}),
+    ),
+    "update profile": (
+        lambda w: profile_form(
+            w, "llama3-sim", {"gpus_per_shard": 2, "env": {"B": "2"}}, add=False
+        ),
+        import_catalog(
+            {"profiles": [{"name": "llama3-sim", "gpus_per_shard": 2, "env": {"B": "2"}}]}
+        ),
+        lambda w: api_call(
+            w, "patch", "/profiles/llama3-sim", {"gpus_per_shard": 2, "env": {"B": "2"}}
+        ),
+    ),
+    "create model": (
+        lambda w: model_form(w, "qwen", QWEN, add=True),
+        import_catalog({"models": [{"name": "qwen", "default_profile": "llama3-sim", **QWEN}]}),
+        lambda w: api_call(
+            w, "post", "/models", {"name": "qwen", "default_profile": "llama3-sim", **QWEN}
+        ),
+    ),
+    "update model": (
+        lambda w: model_form(w, "llama3", LLAMA3_EDIT, add=False),
+        import_catalog(
+            {"models": [{"name": "llama3", "default_profile": "llama3-sim", **LLAMA3_EDIT}]}
+        ),
+        lambda w: api_call(w, "patch", "/models/llama3", LLAMA3_EDIT),
     ),
     "scale": (
         scale_form,
