@@ -4,12 +4,17 @@ behind a live web process, with the official ``openai`` client."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from tests.agents.test_agent_e2e import write_tiny_llama
 from tests.harness.factories import make_key, serve_model
@@ -86,3 +91,91 @@ def test_a_stream_from_llamacpp_gets_one_usage_chunk_counted_by_its_tokenizer(
         )
     finally:
         stop_checked(web)
+
+
+@contextlib.contextmanager
+def without_tokenizer(engine: Proc) -> Iterator[int]:
+    """A pass-through in front of the engine that answers 404 to its tokenize endpoints, as an
+    engine without one would; the port it listens on."""
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        if "tokenize" in request.path:
+            return web.Response(status=404)
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(
+                request.method,
+                engine.url + request.path_qs,
+                data=await request.read(),
+                headers=headers,
+            ) as upstream,
+        ):
+            answer = web.StreamResponse(
+                status=upstream.status,
+                headers={"Content-Type": upstream.headers.get("Content-Type", "application/json")},
+            )
+            await answer.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await answer.write(chunk)
+            await answer.write_eof()
+            return answer
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", forward)
+    runner = web.AppRunner(app)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+def test_without_its_tokenizer_a_stream_from_llamacpp_is_estimated(
+    tmp_path: Path, llamacpp: Proc
+) -> None:
+    web_proc = start_web(tmp_path / "var")
+    try:
+        with without_tokenizer(llamacpp) as port:
+            key, api_key = make_key()
+            serve_model("tiny", [port])
+            api = openai.OpenAI(
+                base_url=web_proc.url + "/v1", api_key=key, max_retries=0, timeout=120
+            )
+            wait_until(lambda: "tiny" in [m.id for m in api.models.list().data])
+            chunks = list(
+                api.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "hello there"}],
+                    max_tokens=6,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            with_usage = [c for c in chunks if c.usage is not None]
+            assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
+            # gateway.counting's estimate: 4 per message plus one per 4 bytes of its text, and
+            # one token per content event relayed.
+            prompt = 4 + -(-len(b"hello there") // 4)
+            completion = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+            usage = with_usage[0].usage
+            assert usage is not None
+            assert (usage.prompt_tokens, usage.completion_tokens) == (prompt, completion)
+            assert completion > 0
+            (row,) = wait_for_rows(api_key, 1)
+            assert (row.prompt_tokens, row.completion_tokens, row.usage_source) == (
+                prompt,
+                completion,
+                "estimated",
+            )
+    finally:
+        stop_checked(web_proc)
