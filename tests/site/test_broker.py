@@ -4,7 +4,8 @@ kombu's filesystem transport, as shipped, writes a message into its final name w
 reader may already take it: the worker then dies on ``JSONDecodeError``. The transport of
 ``llmgw_site.broker`` writes aside and renames. Here a producer and a consumer share a folder
 through the real kombu connection, with messages large enough that a torn read would be
-likely; then the real beat and worker run for 40 ticks with both cores kept busy.
+likely; then the real beat and worker run for 150 ticks (two and a half minutes) with both
+cores kept busy.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.harness.store import child_env
 from tests.harness.waits import wait_until
 
 MESSAGES = 300
-TICKS = 40
+TICKS = 150  # at one tick a second, two and a half minutes under load
 
 
 def options(folder: Path) -> dict[str, Any]:
@@ -93,7 +94,7 @@ def lease_renewals() -> int | None:
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.e2e
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(TICKS * 10 + 120)
 def test_beat_and_worker_on_the_embedded_broker_tick_steadily_with_both_cores_busy(
     tmp_path: Path,
 ) -> None:
