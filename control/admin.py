@@ -84,6 +84,21 @@ class ProfileAdmin(admin.ModelAdmin[Profile]):
     list_filter = ["engine"]
     search_fields = ["name"]
 
+    # Django's delete pages refuse a profile in use before they get here (the models' PROTECT);
+    # InUse is a replica placed under it in between, said instead of a server error.
+    def delete_model(self, request: HttpRequest, obj: Profile) -> None:
+        self._delete(request, [obj.pk])
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Profile]) -> None:
+        self._delete(request, list(queryset.values_list("pk", flat=True)))
+
+    def _delete(self, request: HttpRequest, pks: list[int]) -> None:
+        for pk in pks:
+            try:
+                operations.delete_profile(pk, actor=actor(request))
+            except operations.InUse as exc:
+                self.message_user(request, exc.message, messages.ERROR)
+
 
 class ProfileScaleInline(admin.TabularInline[ProfileScale, ServedModel]):
     """Replica counts under the model's other profiles (the default's are the model's own)."""

@@ -1,5 +1,5 @@
 """What operators do to the fleet: cordon, drain and undrain a node, restart a replica; scale,
-pin and delete a catalog model.
+pin and delete a catalog model; delete a profile.
 
 One function per state change, each one transaction with a conditional update (the row count
 says whether anything changed, so a second click or a racing operator changes nothing twice),
@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, ProtectedError
 
 from control import nudges
-from control.models import Event, Node, Replica, ServedModel, Shard
+from control.models import Event, Node, Profile, Replica, ServedModel, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ class Invalid(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class InUse(Invalid):
+    """The row is still needed (a profile some model defaults to or a replica runs under)."""
 
 
 def _node_name(node_id: int) -> str:
@@ -199,4 +203,44 @@ def delete_model(model_id: int, *, actor: str) -> bool:
             for node_id in nodes:
                 nudges.nudge_node(node_id)
             logger.info("model %s: deleted by %s", name, actor)
+    return bool(deleted)
+
+
+def delete_profile(profile_id: int, *, actor: str) -> bool:
+    """Remove a profile from the catalog; the models that also offered it stop offering it,
+    with their replica counts under it. InUse: it is a model's default profile or a replica
+    runs under it (delete or move those first). False: it was already gone."""
+    with transaction.atomic():
+        name = Profile.objects.filter(pk=profile_id).values_list("name", flat=True).first()
+        if name is None:
+            return False
+        defaults = sorted(
+            ServedModel.objects.filter(default_profile_id=profile_id).values_list("name", flat=True)
+        )
+        if defaults:
+            raise InUse("name", f"profile {name!r} is the default of {', '.join(defaults)}")
+        running = sorted(
+            set(Replica.objects.filter(profile_id=profile_id).values_list("model__name", flat=True))
+        )
+        if running:
+            raise InUse("name", f"profile {name!r} runs replicas of {', '.join(running)}")
+        listed = sorted(
+            ServedModel.objects.filter(profiles=profile_id).values_list("name", flat=True)
+        )
+        try:
+            # A savepoint: a replica the reconciler placed under it since the check above
+            # protects the row, and the caller's transaction must stay usable for the answer.
+            with transaction.atomic():
+                deleted, _ = Profile.objects.filter(pk=profile_id).delete()
+        except ProtectedError:
+            raise InUse("name", f"profile {name!r} runs a replica placed just now") from None
+        if deleted:
+            Event.objects.create(
+                kind=Event.Kind.OPERATOR,
+                subject=f"profile/{name}",
+                message=f"deleted by {actor}"
+                + (f" (offered by {', '.join(listed)})" if listed else ""),
+                data={"actor": actor, "deleted": True, "models": listed},
+            )
+            logger.info("profile %s: deleted by %s", name, actor)
     return bool(deleted)

@@ -1,4 +1,9 @@
-"""The gateway in the Django admin: API keys, static endpoints, usage.
+"""The gateway in the Django admin: API keys, users and teams with their limits, static
+endpoints, usage.
+
+Users and teams are Django's users and groups on Django's own pages, but every save and
+delete there goes through ``gateway.people`` (the function the admin API and the ``manage.py``
+commands call too), so each change is one transaction with an operator Event naming who did it.
 
 A key is made by ``gateway.keys.issue`` (the only place keys are minted) and shown once, on
 the page that answers the form: it is never put in a message, the session or a cookie, so
@@ -13,6 +18,9 @@ from weakref import WeakKeyDictionary
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.widgets import FilteredSelectMultiple
+from django.contrib.auth.admin import GroupAdmin, UserAdmin
+from django.contrib.auth.models import Group, User
 from django.core.exceptions import PermissionDenied
 from django.db import models
 from django.db.models import QuerySet
@@ -250,6 +258,142 @@ class TeamLimitsAdmin(admin.ModelAdmin[TeamLimits]):
     @admin.display(description="spent in period")
     def spend(self, obj: TeamLimits) -> str:
         return _spend(people.team_spend(obj), obj.token_budget, obj.budget_period)
+
+
+# --------------------------------------------------------------------------- users and teams
+
+admin.site.unregister(User)
+admin.site.unregister(Group)
+
+
+def _save_formsets(
+    admin_: admin.ModelAdmin[Any], request: HttpRequest, form: Any, formsets: Any, change: bool
+) -> None:
+    # The m2m fields (teams, members, permissions) were set by the people function inside
+    # save_model; form.save_m2m() would write them a second time, past the audit trail.
+    for formset in formsets:
+        admin_.save_formset(request, form, formset, change=change)
+
+
+@admin.register(User)
+class PersonAdmin(UserAdmin[User]):
+    """Django's user pages; a save is ``people.create_user`` or ``people.update_user``.
+
+    The add page also takes the email, staff flag and teams (one Event for the new user, not
+    one per page). The username is fixed once made: it names the user in the audit trail, in
+    single sign-on and in ``manage.py`` commands. Sign-in times are observed, so read-only.
+    A password is set on its own page (Django's), as before."""
+
+    add_fieldsets = (
+        (
+            None,
+            {
+                "classes": ("wide",),
+                "fields": ("username", "usable_password", "password1", "password2"),
+            },
+        ),
+        ("Details", {"fields": ("email", "is_staff", "groups")}),
+    )
+
+    def get_readonly_fields(self, request: HttpRequest, obj: User | None = None) -> Any:
+        return ["username", "last_login", "date_joined"] if obj is not None else []
+
+    def save_model(self, request: HttpRequest, obj: User, form: Any, change: bool) -> None:
+        data = form.cleaned_data
+        teams = [g.name for g in data["groups"]] if "groups" in data else None
+        perms = (
+            people.permission_names(data["user_permissions"])
+            if "user_permissions" in data
+            else None
+        )
+        if change:
+            people.update_user(
+                obj.username,
+                actor=_actor(request),
+                teams=teams,
+                permissions=perms,
+                **{f: getattr(obj, f) for f in people.USER_FIELDS if f in data},
+            )
+            return
+        saved = people.create_user(
+            obj.username,
+            actor=_actor(request),
+            **{f: getattr(obj, f) for f in people.USER_FIELDS if f in data},
+            teams=teams or (),
+            permissions=perms or (),
+            password=data.get("password1") if data.get("set_usable_password") else None,
+        )
+        # The admin goes on with `obj` (history entry, redirect to the change page).
+        obj.pk = saved.pk
+        obj.password = saved.password
+        obj._state.adding = False
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        _save_formsets(self, request, form, formsets, change)
+
+
+class TeamForm(forms.ModelForm[Group]):
+    """A group's page with its members, so a team is made and staffed on one page."""
+
+    members = forms.ModelMultipleChoiceField(
+        queryset=User.objects.order_by("username"),
+        required=False,
+        widget=FilteredSelectMultiple("members", is_stacked=False),
+    )
+
+    class Meta:
+        model = Group
+        fields = ["name", "members", "permissions"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None:
+            self.fields["members"].initial = self.instance.user_set.all()
+
+
+@admin.register(Group)
+class TeamAdmin(GroupAdmin):
+    """Django's group pages (a group is a team: limits, usage, single sign-on's group claims),
+    with members; a save or delete is the ``people`` function for it. The name is fixed once
+    made: it names the team in the audit trail and in the provider's group claims."""
+
+    form = TeamForm
+    list_display = ["name", "member_count"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Group | None = None) -> Any:
+        return ["name"] if obj is not None else []
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Group]:
+        return super().get_queryset(request).annotate(members_n=models.Count("user"))
+
+    @admin.display(description="members", ordering="members_n")
+    def member_count(self, obj: Group) -> int:
+        return int(getattr(obj, "members_n", 0))
+
+    def save_model(self, request: HttpRequest, obj: Group, form: Any, change: bool) -> None:
+        data = form.cleaned_data
+        members = [u.username for u in data.get("members", [])]
+        perms = people.permission_names(data["permissions"]) if "permissions" in data else None
+        if change:
+            people.set_team_members(obj.name, members, actor=_actor(request))
+            if perms is not None:
+                people.set_team_permissions(obj.name, perms, actor=_actor(request))
+            return
+        saved = people.create_team(
+            obj.name, actor=_actor(request), members=members, permissions=perms or ()
+        )
+        obj.pk = saved.pk
+        obj._state.adding = False
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        _save_formsets(self, request, form, formsets, change)
+
+    def delete_model(self, request: HttpRequest, obj: Group) -> None:
+        people.delete_team(obj.name, actor=_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Group]) -> None:
+        for name in queryset.values_list("name", flat=True):
+            people.delete_team(name, actor=_actor(request))
 
 
 @admin.register(Endpoint)

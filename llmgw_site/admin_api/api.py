@@ -3,9 +3,9 @@
 
 An edge: each route parses its input, calls the one domain function for the change (the same
 the admin's actions and the ``manage.py`` commands call: ``control.operations``,
-``control.node_tokens``, ``gateway.keys``, ``llmgw_site.catalog``, ``people``) and formats the
-result. Errors are ``{"error": {"code", "message", "field"}}``; every list is paginated with
-``limit`` and ``offset`` and answers ``{"items", "count"}``.
+``control.node_tokens``, ``gateway.keys``, ``gateway.people``, ``llmgw_site.catalog``) and
+formats the result. Errors are ``{"error": {"code", "message", "field"}}``; every list is
+paginated with ``limit`` and ``offset`` and answers ``{"items", "count"}``.
 
 Routes are synchronous: this is an operator's API, not the request path, and the ORM calls
 would need a thread each anyway.
@@ -25,7 +25,7 @@ from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import DataError, transaction
-from django.db.models import Count, F, ProtectedError, Q, QuerySet, Sum
+from django.db.models import Count, F, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404
@@ -40,7 +40,6 @@ from gateway import keys, reports
 from gateway import people as gateway_people
 from gateway.models import ApiKey, TeamLimits, UsageRecord, UserLimits
 from llmgw_site import catalog
-from llmgw_site.admin_api import people
 from llmgw_site.admin_api.auth import AdminAuth, Caller, Denied
 
 MAX_PAGE = 500
@@ -426,11 +425,9 @@ def update_profile(request: HttpRequest, name: str, payload: ProfilePatch) -> An
 def delete_profile(request: HttpRequest, name: str) -> Any:
     profile = get_object_or_404(Profile, name=name)
     try:
-        profile.delete()
-    except ProtectedError:
-        raise ApiError(
-            409, "in_use", f"profile {name!r} is some model's default or a replica's", "name"
-        ) from None
+        operations.delete_profile(profile.pk, actor=caller(request).actor)
+    except operations.InUse as exc:
+        raise ApiError(409, "in_use", exc.message, exc.field) from None
     return Status(204, None)
 
 
@@ -876,9 +873,14 @@ class MembersIn(Strict):
     members: list[str]
 
 
-def _people_error(exc: people.Conflict | people.Missing) -> ApiError:
-    if isinstance(exc, people.Conflict):
+PeopleError = gateway_people.Conflict | gateway_people.Missing | gateway_people.PersonInvalid
+
+
+def _people_error(exc: PeopleError) -> ApiError:
+    if isinstance(exc, gateway_people.Conflict):
         return ApiError(409, "exists", str(exc), exc.field)
+    if isinstance(exc, gateway_people.PersonInvalid):
+        return ApiError(422, "invalid", str(exc), exc.field)
     return ApiError(
         404 if exc.field in {"username", "name"} else 422, "not_found", str(exc), exc.field
     )
@@ -903,23 +905,26 @@ def get_user(request: HttpRequest, username: str) -> Any:
 @people_router.post("/users", response={201: UserOut})
 def create_user(request: HttpRequest, payload: UserIn) -> Any:
     try:
-        user = people.create_user(
+        user = gateway_people.create_user(
             payload.username,
+            actor=caller(request).actor,
             email=payload.email or "",
             is_staff=bool(payload.is_staff),
             is_active=payload.is_active is not False,
             teams=payload.teams or [],
         )
-    except (people.Conflict, people.Missing) as exc:
+    except (gateway_people.Conflict, gateway_people.Missing, gateway_people.PersonInvalid) as exc:
         raise _people_error(exc) from None
     return Status(201, user)
 
 
 @people_router.patch("/users/{username}", response=UserOut)
 def update_user(request: HttpRequest, username: str, payload: UserPatch) -> Any:
+    # null keeps a field, as if it were not sent.
+    changes = {k: v for k, v in payload.dict(exclude_unset=True).items() if v is not None}
     try:
-        return people.update_user(username, **payload.dict(exclude_unset=True))
-    except (people.Conflict, people.Missing) as exc:
+        return gateway_people.update_user(username, actor=caller(request).actor, **changes)
+    except (gateway_people.Conflict, gateway_people.Missing, gateway_people.PersonInvalid) as exc:
         raise _people_error(exc) from None
 
 
@@ -937,22 +942,27 @@ def get_team(request: HttpRequest, name: str) -> Any:
 @people_router.post("/teams", response={201: TeamOut})
 def create_team(request: HttpRequest, payload: TeamIn) -> Any:
     try:
-        return Status(201, people.create_team(payload.name, members=payload.members))
-    except (people.Conflict, people.Missing) as exc:
+        return Status(
+            201,
+            gateway_people.create_team(
+                payload.name, actor=caller(request).actor, members=payload.members
+            ),
+        )
+    except (gateway_people.Conflict, gateway_people.Missing, gateway_people.PersonInvalid) as exc:
         raise _people_error(exc) from None
 
 
 @people_router.put("/teams/{name}/members", response=TeamOut)
 def set_team_members(request: HttpRequest, name: str, payload: MembersIn) -> Any:
     try:
-        return people.set_team_members(name, payload.members)
-    except (people.Conflict, people.Missing) as exc:
+        return gateway_people.set_team_members(name, payload.members, actor=caller(request).actor)
+    except (gateway_people.Conflict, gateway_people.Missing, gateway_people.PersonInvalid) as exc:
         raise _people_error(exc) from None
 
 
 @people_router.delete("/teams/{name}", response={204: None})
 def delete_team(request: HttpRequest, name: str) -> Any:
-    if not people.delete_team(name):
+    if not gateway_people.delete_team(name, actor=caller(request).actor):
         raise ApiError(404, "not_found", f"no team {name!r}", "name")
     return Status(204, None)
 

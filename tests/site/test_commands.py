@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import io
 import json
 import subprocess
@@ -10,16 +11,17 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import Group
+from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, ManagementUtility, call_command
 from django.utils import timezone
 
-from control.models import Event, Node, Replica
+from control.models import Event, Node, Profile, Replica
 from gateway.models import ApiKey, TeamLimits, UserLimits
 from tests.harness.factories import (
     make_key,
     make_model,
     make_node,
+    make_profile,
     make_replica,
     make_usage,
     make_user,
@@ -44,6 +46,12 @@ OURS = [
     "create_admin_token",
     "revoke_admin_token",
     "set_limits",
+    "create_user",
+    "set_user",
+    "create_team",
+    "set_team_members",
+    "delete_team",
+    "delete_profile",
 ]
 
 
@@ -279,3 +287,89 @@ def test_set_limits_refuses_what_it_cannot_do_and_changes_nothing(
     with pytest.raises(CommandError, match=says):
         run("set_limits", *args)
     assert not UserLimits.objects.exists() and not TeamLimits.objects.exists()
+
+
+@pytest.mark.django_db
+def test_people_commands_make_change_and_delete_users_and_teams_and_say_so() -> None:
+    make_user("alice")
+    assert run("create_team", "ml", "--members", "alice") == "team ml: members alice\n"
+    out = run("create_user", "bob", "--email", "bob@example.com", "--teams", "ml")
+    assert out == "user bob: active; email bob@example.com; teams ml\n"
+    assert not User.objects.get(username="bob").has_usable_password()
+    out = run("set_user", "bob", "--staff", "on", "--active", "off", "--teams", "")
+    assert out == "user bob: inactive, staff; email bob@example.com; teams -\n"
+    assert run("set_team_members", "ml", "--members", "bob,alice") == (
+        "team ml: members alice, bob\n"
+    )
+    assert run("set_team_members", "ml", "--members", "") == "team ml: members -\n"
+    assert run("delete_team", "ml") == "team ml: deleted\n"
+    assert not Group.objects.exists()
+    assert [e.message for e in Event.objects.order_by("id")] == [
+        "created by cli:" + getpass.getuser() + ": members alice",
+        "created by cli:" + getpass.getuser() + ": email bob@example.com, teams ml, no password",
+        "changed by cli:" + getpass.getuser() + ": is_active True → False, is_staff False → True,"
+        " teams ml → none",
+        "changed by cli:" + getpass.getuser() + ": members alice → alice,bob",
+        "changed by cli:" + getpass.getuser() + ": members alice,bob → none",
+        "deleted by cli:" + getpass.getuser(),
+    ]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["create_user", "alice"], "username: user 'alice' exists"),
+        (["create_user", "bad name"], "username: letters, digits"),
+        (["create_user", "bob", "--teams", "ml,nope"], "teams: no team named nope"),
+        (["create_user", "bob", "--email", "not-an-address"], "email: 'not-an-address' is not"),
+        (["set_user", "nobody", "--staff", "on"], "username: no user 'nobody'"),
+        (["set_user", "alice"], "give something to change"),
+        (["set_user", "alice", "--staff", "yes"], "--staff"),
+        (["set_user", "alice", "--staff", "on", "--teams", "nope"], "teams: no team named nope"),
+        (["create_team", "ml"], "name: team 'ml' exists"),
+        (["create_team", "new", "--members", "alice,nobody"], "members: no user named nobody"),
+        (["set_team_members", "nope", "--members", "alice"], "name: no team 'nope'"),
+        (["set_team_members", "ml", "--members", "nobody"], "members: no user named nobody"),
+        (["set_team_members", "ml"], "--members"),
+        (["delete_team", "nope"], "no team 'nope'"),
+    ],
+)
+def test_people_commands_refuse_what_they_cannot_do_and_change_nothing(
+    args: list[str], says: str
+) -> None:
+    make_user("alice")
+    Group.objects.create(name="ml").user_set.add(User.objects.get(username="alice"))
+    before = (
+        sorted(User.objects.values_list("username", "email", "is_staff", "is_active")),
+        sorted(Group.objects.values_list("name", "user__username")),
+    )
+    with pytest.raises(CommandError, match=says):
+        run(*args)
+    after = (
+        sorted(User.objects.values_list("username", "email", "is_staff", "is_active")),
+        sorted(Group.objects.values_list("name", "user__username")),
+    )
+    assert after == before
+    assert not Event.objects.exists()
+
+
+@pytest.mark.django_db
+def test_delete_profile_refuses_a_profile_in_use_and_deletes_a_spare_one() -> None:
+    model = make_model("llama3")
+    node = make_node("gpu-1")
+    spare = make_profile("vllm-tp2")
+    model.profiles.add(spare)
+    Replica.objects.filter(pk=make_replica(model, [(node, [0])]).pk).update(profile=spare)
+    for name, says in (
+        ("llama3-sim", "profile 'llama3-sim' is the default of llama3"),
+        ("vllm-tp2", "profile 'vllm-tp2' runs replicas of llama3"),
+        ("nope", "no profile 'nope'"),
+    ):
+        with pytest.raises(CommandError, match=says):
+            run("delete_profile", name)
+    assert Profile.objects.count() == 2 and not Event.objects.exists()
+    Replica.objects.all().delete()
+    assert run("delete_profile", "vllm-tp2") == "vllm-tp2: deleted\n"
+    assert list(model.profiles.values_list("name", flat=True)) == ["llama3-sim"]
+    assert Event.objects.get().message == f"deleted by cli:{getpass.getuser()} (offered by llama3)"

@@ -22,8 +22,8 @@ from django.contrib.auth.models import Group, User
 from django.core.exceptions import SuspiciousOperation
 from django.test import Client
 
+from gateway import people
 from llmgw_site import sso
-from llmgw_site.admin_api import people
 from tests.harness.browser import Browser
 from tests.harness.factories import PASSWORD, make_user
 from tests.harness.live import start_web
@@ -158,7 +158,7 @@ def test_a_local_account_is_never_taken_over_by_a_sign_in_that_claims_its_name(
 
 @pytest.mark.django_db
 def test_a_user_provisioned_by_the_api_without_a_password_signs_in_by_sso(sso_on: str) -> None:
-    people.create_user("dave")  # as POST /api/admin/v1/users does
+    people.create_user("dave", actor="token:ops")  # as POST /api/admin/v1/users does
     client = Client()
     assert finish(client, sign_in(client, "dave", "dave-pw")) == "/account/"
     assert User.objects.filter(username="dave").count() == 1

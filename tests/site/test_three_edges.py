@@ -10,6 +10,11 @@ A catalog entry (a profile or a model) is created or changed through the admin's
 forms, ``manage.py import_catalog`` with a file, and the API's routes (which call the same
 import); the whole catalog document (``export_catalog``'s) must come out the same.
 
+Users and teams are made and changed on Django's own user and group pages (whose saves and
+deletes go through ``gateway.people``), by ``create_user``, ``set_user``, ``create_team``,
+``set_team_members`` and ``delete_team``, and by the API's people routes; the compared outcome
+includes every user's fields, teams and permissions and every team's members.
+
 Issuing a node certificate has two edges, the command and the API: the admin does not offer it,
 because it would hand a private key to a browser page.
 """
@@ -27,7 +32,7 @@ from typing import Any
 import pytest
 import yaml
 from django.conf import settings
-from django.contrib.auth.models import Group
+from django.contrib.auth.models import Group, Permission, User
 from django.core.management import call_command
 from django.db import transaction
 from django.test import Client
@@ -39,7 +44,14 @@ from gateway.models import ApiKey, TeamLimits, UserLimits
 from llmgw_site import catalog as catalog_document
 from llmgw_site.admin_api import tokens
 from llmgw_site.admin_api.models import AdminToken
-from tests.harness.factories import make_key, make_model, make_node, make_replica, make_user
+from tests.harness.factories import (
+    make_key,
+    make_model,
+    make_node,
+    make_profile,
+    make_replica,
+    make_user,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -124,8 +136,39 @@ def limits() -> list[tuple[Any, ...]]:
     ]
 
 
+def users() -> list[tuple[Any, ...]]:
+    return [
+        (
+            u.username,
+            u.email,
+            u.first_name,
+            u.last_name,
+            u.is_active,
+            u.is_staff,
+            u.is_superuser,
+            u.has_usable_password(),
+            sorted(g.name for g in u.groups.all()),
+            sorted(p.codename for p in u.user_permissions.all()),
+        )
+        for u in User.objects.prefetch_related("groups", "user_permissions").order_by("username")
+    ]
+
+
+def teams() -> list[tuple[Any, ...]]:
+    return [
+        (
+            g.name,
+            sorted(u.username for u in g.user_set.all()),
+            sorted(p.codename for p in g.permissions.all()),
+        )
+        for g in Group.objects.prefetch_related("user_set", "permissions").order_by("name")
+    ]
+
+
 def outcome() -> dict[str, Any]:
     return {
+        "users": users(),
+        "teams": teams(),
         "events": events(),
         "nodes": nodes(),
         "replicas": replicas(),
@@ -184,6 +227,7 @@ def fleet() -> dict[str, int]:
     replica = make_replica(model, [(node, [0])])
     Replica.objects.filter(pk=replica.pk).update(failures=3)
     _, key = make_key("alice", name="ci")
+    bob = make_user("bob")
     team = Group.objects.create(name="research")
     team.user_set.add(key.user_id)
     gateway_people.set_user_limits(
@@ -197,6 +241,7 @@ def fleet() -> dict[str, int]:
         "key": key.pk,
         "alice": key.user_id,
         "team": team.pk,
+        "bob": bob.pk,
     }
 
 
@@ -350,6 +395,30 @@ def with_team_limits(edge: Edge) -> Edge:
         return edge(world)
 
     return run
+
+
+def with_spare_profile(edge: Edge) -> Edge:
+    """A profile no replica runs under, offered by llama3 beside its default, then ``edge``."""
+
+    def run(world: World) -> object:
+        ServedModel.objects.get(name="llama3").profiles.add(make_profile("vllm-tp2"))
+        return edge(world)
+
+    return run
+
+
+def user_form(world: World, pk: int | None, fields: dict[str, Any]) -> None:
+    """Django's add (``pk`` None) or change page for a user; ticked boxes are "on"."""
+    url = "/admin/auth/user/add/" if pk is None else f"/admin/auth/user/{pk}/change/"
+    form = {k: "on" if v is True else v for k, v in fields.items() if v is not False}
+    response = world.admin.post(url, form)
+    assert response.status_code == 302, response.content.decode()[:3000]
+
+
+def team_form(world: World, pk: int | None, fields: dict[str, Any]) -> None:
+    url = "/admin/auth/group/add/" if pk is None else f"/admin/auth/group/{pk}/change/"
+    response = world.admin.post(url, fields)
+    assert response.status_code == 302, response.content.decode()[:3000]
 
 
 CHANGES: dict[str, tuple[Edge | None, Edge, Edge]] = {
@@ -555,6 +624,95 @@ CHANGES: dict[str, tuple[Edge | None, Edge, Edge]] = {
             },
         ),
     ),
+    "create user": (
+        lambda w: user_form(
+            w,
+            None,
+            {
+                "username": "carol",
+                "usable_password": "false",
+                "email": "carol@example.com",
+                "is_staff": True,
+                "groups": [str(w.ids["team"])],
+            },
+        ),
+        lambda w: command(
+            "create_user", "carol", "--email", "carol@example.com", "--staff", "--teams", "research"
+        ),
+        lambda w: api_call(
+            w,
+            "post",
+            "/users",
+            {
+                "username": "carol",
+                "email": "carol@example.com",
+                "is_staff": True,
+                "teams": ["research"],
+            },
+        ),
+    ),
+    "update user": (
+        lambda w: user_form(
+            w,
+            w.ids["alice"],
+            {
+                "first_name": "",
+                "last_name": "",
+                "email": "alice@example.com",
+                "is_active": False,
+                "is_staff": True,
+                "is_superuser": False,
+                # no teams (groups) and no permissions: alice leaves research
+            },
+        ),
+        lambda w: command(
+            "set_user",
+            "alice",
+            "--staff",
+            "on",
+            "--email",
+            "alice@example.com",
+            "--active",
+            "off",
+            "--teams",
+            "",
+        ),
+        lambda w: api_call(
+            w,
+            "patch",
+            "/users/alice",
+            {"is_active": False, "teams": [], "is_staff": True, "email": "alice@example.com"},
+        ),
+    ),
+    "create team": (
+        lambda w: team_form(
+            w, None, {"name": "ml", "members": [str(w.ids["bob"]), str(w.ids["alice"])]}
+        ),
+        lambda w: command("create_team", "ml", "--members", "bob,alice"),
+        lambda w: api_call(w, "post", "/teams", {"name": "ml", "members": ["bob", "alice"]}),
+    ),
+    "set team members": (
+        lambda w: team_form(w, w.ids["team"], {"members": [str(w.ids["bob"])]}),
+        lambda w: command("set_team_members", "research", "--members", "bob"),
+        lambda w: api_call(w, "put", "/teams/research/members", {"members": ["bob"]}),
+    ),
+    "delete team": (
+        with_team_limits(
+            lambda w: w.admin.post(f"/admin/auth/group/{w.ids['team']}/delete/", {"post": "yes"})
+        ),
+        with_team_limits(lambda w: command("delete_team", "research")),
+        with_team_limits(lambda w: api_call(w, "delete", "/teams/research")),
+    ),
+    "delete profile": (
+        with_spare_profile(
+            lambda w: w.admin.post(
+                f"/admin/control/profile/{Profile.objects.get(name='vllm-tp2').pk}/delete/",
+                {"post": "yes"},
+            )
+        ),
+        with_spare_profile(lambda w: command("delete_profile", "vllm-tp2")),
+        with_spare_profile(lambda w: api_call(w, "delete", "/profiles/vllm-tp2")),
+    ),
     "revoke api key": (
         lambda w: admin_action(w, "gateway/apikey", "revoke", w.ids["key"]),
         lambda w: command("revoke_api_key", ApiKey.objects.get(pk=w.ids["key"]).prefix),
@@ -612,4 +770,69 @@ def test_the_admins_bulk_delete_of_limits_clears_each_through_the_same_function(
     ] == [
         ("user/alice", "limits removed by admin:root"),
         ("team/research", "limits removed by admin:root"),
+    ]
+
+
+def test_the_admins_bulk_delete_of_teams_and_profiles_goes_through_the_same_functions() -> None:
+    world = World(admin_client(), api_client(), fleet())
+    Group.objects.create(name="ml")
+    with_spare_profile(lambda w: None)(world)
+    make_profile("unused")
+    spare = Profile.objects.exclude(name="llama3-sim")
+    for changelist, pks in (
+        ("auth/group", list(Group.objects.values_list("pk", flat=True))),
+        ("control/profile", list(spare.values_list("pk", flat=True))),
+    ):
+        response = world.admin.post(
+            f"/admin/{changelist}/",
+            {"action": "delete_selected", "_selected_action": [str(p) for p in pks], "post": "yes"},
+        )
+        assert response.status_code == 302, response.status_code
+    assert not Group.objects.exists()
+    assert sorted(Profile.objects.values_list("name", flat=True)) == ["llama3-sim"]
+    assert sorted(
+        (e.subject, e.message) for e in Event.objects.filter(message__startswith="deleted by")
+    ) == [
+        ("profile/unused", "deleted by admin:root"),
+        ("profile/vllm-tp2", "deleted by admin:root (offered by llama3)"),
+        ("team/ml", "deleted by admin:root"),
+        ("team/research", "deleted by admin:root (members alice)"),
+    ]
+
+
+def test_the_admins_user_and_group_pages_still_open() -> None:
+    world = World(admin_client(), api_client(), fleet())
+    for path in (
+        "/admin/auth/user/",
+        "/admin/auth/user/add/",
+        f"/admin/auth/user/{world.ids['alice']}/change/",
+        f"/admin/auth/user/{world.ids['alice']}/password/",
+        "/admin/auth/group/",
+        "/admin/auth/group/add/",
+        f"/admin/auth/group/{world.ids['team']}/change/",
+        f"/admin/auth/group/{world.ids['team']}/delete/",
+    ):
+        assert world.admin.get(path).status_code == 200, path
+
+
+def test_permissions_set_on_the_admins_user_and_group_pages_are_in_the_audit_trail() -> None:
+    world = World(admin_client(), api_client(), fleet())
+    view_keys = Permission.objects.get(content_type__app_label="gateway", codename="view_apikey")
+    user_form(
+        world,
+        world.ids["bob"],
+        {"is_active": True, "is_staff": True, "user_permissions": [str(view_keys.pk)]},
+    )
+    team_form(
+        world,
+        world.ids["team"],
+        {"members": [str(world.ids["alice"])], "permissions": [str(view_keys.pk)]},
+    )
+    assert User.objects.get(username="bob").has_perm("gateway.view_apikey")
+    assert [(e.subject, e.message) for e in Event.objects.order_by("id")][-2:] == [
+        (
+            "user/bob",
+            "changed by admin:root: is_staff False → True, permissions none → gateway.view_apikey",
+        ),
+        ("team/research", "changed by admin:root: permissions none → gateway.view_apikey"),
     ]
