@@ -5,10 +5,12 @@ frame unchanged, with validation still done by the one decoder."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -175,3 +177,75 @@ def test_bytes_that_are_not_a_frame_are_a_protocol_error() -> None:
     with pytest.raises(ProtocolError) as info:
         grpc_wire.parse_agent_frame(b"\xff\xff\xff\xff")
     assert info.value.code is CloseCode.MALFORMED
+
+
+_PROTO_FIELD = re.compile(
+    r"^\s*(?P<label>optional |repeated )?(?P<type>map<\w+,\s*\w+>|[\w.]+)\s+"
+    r"(?P<name>\w+)\s*=\s*(?P<number>\d+);"
+)
+_PROTO_TYPES = {
+    "string": FieldDescriptor.TYPE_STRING,
+    "int32": FieldDescriptor.TYPE_INT32,
+    "int64": FieldDescriptor.TYPE_INT64,
+    "uint32": FieldDescriptor.TYPE_UINT32,
+    "double": FieldDescriptor.TYPE_DOUBLE,
+}
+
+
+def _fields_written_in_the_proto() -> dict[str, set[tuple[str, int, str, str]]]:
+    """Each message of agents/agent.proto as written: (name, number, label, type) per field."""
+    messages: dict[str, set[tuple[str, int, str, str]]] = {}
+    current: str | None = None
+    for raw in (Path(agent_pb2.__file__).parent / "agent.proto").read_text().splitlines():
+        line = raw.split("//", 1)[0]
+        if opened := re.match(r"^message (\w+) \{", line):
+            current = opened.group(1)
+            messages[current] = set()
+        elif line.startswith("}"):
+            current = None
+        elif current and (field := _PROTO_FIELD.match(line)):
+            label = (field.group("label") or "").strip()
+            kind = "map" if field.group("type").startswith("map<") else field.group("type")
+            messages[current].add((field.group("name"), int(field.group("number")), label, kind))
+    return messages
+
+
+def _label(field: FieldDescriptor) -> str:
+    if grpc_wire._is_repeated(field):
+        return "repeated"
+    # A proto3 `optional` is a oneof of its own, named after the field with a leading "_".
+    oneof = field.containing_oneof
+    if oneof is not None and oneof.name == "_" + field.name:
+        return "optional"
+    return ""
+
+
+def _fields_generated(message: Descriptor) -> set[tuple[str, int, str, str]]:
+    fields = set()
+    for field in message.fields:
+        if grpc_wire._is_map(field):
+            fields.add((field.name, field.number, "", "map"))
+            continue
+        kind = (
+            field.message_type.name
+            if field.type == FieldDescriptor.TYPE_MESSAGE
+            else next(name for name, code in _PROTO_TYPES.items() if code == field.type)
+        )
+        fields.add((field.name, field.number, _label(field), kind))
+    return fields
+
+
+def test_the_generated_module_is_the_proto_as_written() -> None:
+    """agents/agent_pb2.py is checked in: an edit to agent.proto without `make proto` fails here."""
+    written = _fields_written_in_the_proto()
+    generated = {
+        name: _fields_generated(message)
+        for name, message in agent_pb2.DESCRIPTOR.message_types_by_name.items()
+    }
+    assert written == generated
+    (service,) = agent_pb2.DESCRIPTOR.services_by_name.values()
+    (method,) = service.methods
+    assert (method.name, method.input_type.name, method.output_type.name) == (
+        "Stream", "AgentFrame", "ServerFrame",
+    )  # fmt: skip
+    assert method.client_streaming and method.server_streaming
