@@ -7,11 +7,12 @@ PY := $(VENV)/bin/python
 # (requirements-dev.txt) come with the first `make test`. Each step has its stamp.
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
+LLAMA_STAMP := $(VENV)/.installed-llamacpp
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
-typecheck migrations-check pytest-sqlite pytest-postgres bench bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
+typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp bench bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
 
-.PHONY: proto run test lint typecheck migrations-check pytest pytest-sqlite pytest-postgres bench bench-fleet bench-accounting bench-usage clean
+.PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp bench bench-fleet bench-accounting bench-usage clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +23,23 @@ $(RUN_STAMP): requirements.txt | $(VENV)/bin/python
 	touch $@
 
 $(TEST_STAMP): $(RUN_STAMP) requirements-dev.txt
-	# llama-cpp-python (the real llama.cpp server in the agent tests) compiles from source.
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	# Every test tool but llama-cpp-python, which compiles llama.cpp: that one builds beside the
+	# checks and the passes (LLAMA_STAMP), and only the tests that start it wait for it.
+	grep -v '^llama-cpp-python==' requirements-dev.txt > $(VENV)/requirements-dev-now.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r $(VENV)/requirements-dev-now.txt
 	touch $@
 
-venv: $(TEST_STAMP)
+# llama-cpp-python (the real llama.cpp server in the agent and usage tests) from source: its
+# dependencies are pinned in requirements-dev.txt and already installed. The tests serve a tiny
+# text model, so the multimodal library is not built and -O1 is enough; niced, so the tests
+# running meanwhile keep the cores they need.
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS_RELEASE=-O1 -DCMAKE_CXX_FLAGS_RELEASE=-O1
+$(LLAMA_STAMP): $(TEST_STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 10 \
+	  $(PY) -m pip install --quiet --no-deps "$$(grep '^llama-cpp-python==' requirements-dev.txt)"
+	touch $@
+
+venv: $(LLAMA_STAMP)
 
 # Plain http on loopback: cookies without the Secure flag unless LLMGW_HTTPS says otherwise.
 run: $(RUN_STAMP)
@@ -51,19 +64,32 @@ migrations-check: $(TEST_STAMP)
 TEST_WORKERS ?= 3
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+SQLITE_URL := sqlite:///var/test.sqlite3
+POSTGRES_URL = $${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw}
+
+# The two passes run everything but the tests that start llama.cpp (marked llamacpp); those run
+# in pytest-llamacpp, on both backends, once llama-cpp-python is built.
 pytest-sqlite: $(TEST_STAMP)
-	DATABASE_URL=sqlite:///var/test.sqlite3 $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	DATABASE_URL=$(SQLITE_URL) $(PY) -m pytest $(XDIST) -m 'not llamacpp' $(PYTEST_ARGS)
 
 pytest-postgres: $(TEST_STAMP)
 	@$(PY) -m tests.harness.require_postgres; rc=$$?; \
 	if [ $$rc = 0 ]; then \
-	  DATABASE_URL=$${TEST_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/llmgw} $(PY) -m pytest $(XDIST) --store-tests-only $(PYTEST_ARGS); \
+	  DATABASE_URL=$(POSTGRES_URL) $(PY) -m pytest $(XDIST) --store-tests-only -m 'not llamacpp' $(PYTEST_ARGS); \
+	elif [ $$rc != 3 ]; then exit $$rc; fi
+
+pytest-llamacpp: $(LLAMA_STAMP)
+	DATABASE_URL=$(SQLITE_URL) $(PY) -m pytest -m llamacpp $(PYTEST_ARGS)
+	@$(PY) -m tests.harness.require_postgres; rc=$$?; \
+	if [ $$rc = 0 ]; then \
+	  DATABASE_URL=$(POSTGRES_URL) $(PY) -m pytest --store-tests-only -m llamacpp $(PYTEST_ARGS); \
 	elif [ $$rc != 3 ]; then exit $$rc; fi
 
 # Everything at once, each target's output kept together: most of a test pass is spent
-# waiting on the processes it starts, so the checks and both passes share two cores well.
+# waiting on the processes it starts, so the checks, both passes and llama.cpp's build (first
+# in the list, so it starts first) share two cores well.
 test: $(TEST_STAMP)
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint typecheck migrations-check pytest-sqlite pytest-postgres
+	$(MAKE) --no-print-directory -j6 --output-sync=target pytest-llamacpp lint typecheck migrations-check pytest-sqlite pytest-postgres
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench

@@ -789,6 +789,7 @@ def write_tiny_llama(path: Path, *, n_layer: int = 2, n_embd: int = 64, seed: in
     writer.close()
 
 
+@pytest.mark.llamacpp
 def test_the_llamacpp_recipe_serves_a_real_model(fleet: Cluster) -> None:
     """The llama.cpp server (llama-cpp-python) started by the agent from desired state, on a
     GGUF model this test writes, answers and streams chat completions on the shard's port."""

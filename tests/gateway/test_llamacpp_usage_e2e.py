@@ -22,7 +22,7 @@ from tests.harness.live import http, start_web, stop_checked, wait_for_rows
 from tests.harness.procs import PYTHON, Proc, free_port
 from tests.harness.waits import wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.llamacpp, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
