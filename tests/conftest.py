@@ -5,6 +5,7 @@ PostgreSQL (``--store-tests-only``: the others would only repeat themselves)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,7 +97,27 @@ def django_db_setup(
         )
     yield
     with django_db_blocker.unblock():
+        _let_other_sessions_leave()
         teardown_databases(created, verbosity=verbosity)
+
+
+def _let_other_sessions_leave(timeout: float = 30.0) -> None:
+    """PostgreSQL refuses to drop a database while anyone is connected, and the processes the
+    last module stopped (web, worker, agents) may still be closing theirs: wait for them. One
+    that stays past the timeout is a leaked process, and the drop then fails naming it."""
+    if connection.vendor != "postgresql":
+        return
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            if cursor.fetchone()[0] == 0:
+                break
+            time.sleep(0.2)
+    connection.close()
 
 
 @pytest.fixture(scope="session")
