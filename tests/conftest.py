@@ -4,9 +4,12 @@ PostgreSQL (``--store-tests-only``: the others would only repeat themselves)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,23 +104,52 @@ def django_db_setup(
         teardown_databases(created, verbosity=verbosity)
 
 
-def _let_other_sessions_leave(timeout: float = 30.0) -> None:
-    """PostgreSQL refuses to drop a database while anyone is connected, and the processes the
-    last module stopped (web, worker, agents) may still be closing theirs: wait for them. One
-    that stays past the timeout is a leaked process, and the drop then fails naming it."""
+def _let_other_sessions_leave(timeout: float = 10.0) -> None:
+    """PostgreSQL refuses to drop a database while anyone is connected. The processes the last
+    module stopped (web, worker, agents) may still be closing their sessions: wait for them.
+    What stays is ended, as ``DROP DATABASE ... WITH (FORCE)`` would, and named on stderr: a
+    thread of this process that kept its connection (``sync_to_async``'s executor keeps one
+    for the life of the process) or a process a test failed to stop."""
     if connection.vendor != "postgresql":
         return
+    others = "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
     deadline = time.monotonic() + timeout
     with connection.cursor() as cursor:
-        while time.monotonic() < deadline:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-            if cursor.fetchone()[0] == 0:
+        while True:
+            cursor.execute(f"SELECT client_port, application_name, state, query {others}")
+            stayed = cursor.fetchall()
+            if not stayed or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        if stayed:
+            own = _own_tcp_ports()
+            for port, application, state, query in stayed:
+                whose = "this test process" if port in own else "another process"
+                print(
+                    f"\nending a session on the test database ({whose}, port {port},"
+                    f" {application or 'no name'}, {state}): {query[:120]!r}",
+                    file=sys.stderr,
+                )
+            cursor.execute(f"SELECT pg_terminate_backend(pid) {others}")
     connection.close()
+
+
+def _own_tcp_ports() -> set[int]:
+    """The local ports of this process's TCP sockets (from /proc: Linux only)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 @pytest.fixture(scope="session")

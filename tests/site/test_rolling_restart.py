@@ -99,6 +99,8 @@ class Traffic:
     streams_done: int = 0
     stream_errors: list[str] = field(default_factory=list)
     short_events: int = 0
+    requests_sent: int = 0
+    requests_during: int = 0  # sent between the action and its outcome (then())
     requests_ok: int = 0
     request_errors: list[str] = field(default_factory=list)
 
@@ -134,6 +136,7 @@ async def traffic_across(
             seen.short_events += 1
 
     async def one_request() -> None:
+        seen.requests_sent += 1
         try:
             await client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
@@ -150,6 +153,7 @@ async def traffic_across(
     deadline = loop.time() + 90
     while loop.time() < deadline and not (all(s.done() for s in streams) and then()):
         requests.append(asyncio.create_task(one_request()))
+        seen.requests_during += 1
         await asyncio.sleep(0.1)
     for _ in range(20):  # a last second of requests on whatever serves now
         requests.append(asyncio.create_task(one_request()))
@@ -163,7 +167,10 @@ def assert_clean(seen: Traffic) -> None:
     assert seen.stream_errors == [], seen.stream_errors[:5]
     assert seen.request_errors == [], seen.request_errors[:5]
     assert seen.streams_done == STREAMS and seen.short_events == 0
-    assert seen.requests_ok >= 30
+    # Every request answered, some of them sent while the change was under way (how many
+    # depends on how fast a loaded machine makes the change, so no count is asked for).
+    assert seen.requests_ok == seen.requests_sent
+    assert seen.requests_during >= 1
 
 
 def test_listeners_split_by_role(run: Run) -> None:
