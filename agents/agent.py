@@ -331,6 +331,11 @@ class Agent:
                 logger.warning(
                     "control plane error %s: %s", message.code, message.message or "(no text)"
                 )
+                if message.code == CloseCode.SERVICE_RESTART:
+                    # It is going away: leave now rather than wait for it to end the stream,
+                    # which a control plane stuck in its stop may never do.
+                    await link.close(message.code, message.message)
+                    return
 
     async def _report(self, link: links.Link, interval: float) -> None:
         changed = self.supervisor.changed

@@ -3,13 +3,14 @@ simulated GPUs and weights paths. Plain data in, plain data out; no process, no 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agents.agent import after_stopping_close, backoff_delay, stream_url
+from agents.agent import Agent, ConnectionConfig, after_stopping_close, backoff_delay, stream_url
 from agents.engines import (
     LaunchContext,
     RecipeError,
@@ -24,7 +25,15 @@ from agents.engines import (
 from agents.gpus import parse_simulated
 from agents.links import GRPC, WEBSOCKET, parse_target
 from agents.plan import fingerprint
-from agents.protocol import DesiredShard, DesiredShardState, Engine, FailureClass
+from agents.protocol import (
+    CloseCode,
+    DesiredShard,
+    DesiredShardState,
+    Engine,
+    ErrorMessage,
+    FailureClass,
+    encode,
+)
 
 CTX = LaunchContext(host="10.0.0.7", python="/opt/py/bin/python", weights_dir=Path("/srv/w"))
 SHARD = DesiredShard(
@@ -435,7 +444,6 @@ async def test_wss_verifies_the_control_plane_by_the_cluster_ca(tmp_path: Path) 
 
     from websockets.asyncio.server import serve
 
-    from agents.agent import Agent, ConnectionConfig
     from agents.links import TlsFiles
     from control.node_certs import init_ca  # writes files only; no store needed
 
@@ -467,3 +475,33 @@ async def test_wss_verifies_the_control_plane_by_the_cluster_ca(tmp_path: Path) 
                 with pytest.raises(ssl.SSLCertVerificationError):
                     async with agent._open(agent.targets[0]):
                         pass
+
+
+async def test_an_agent_leaves_a_stopping_control_plane_that_never_ends_the_stream() -> None:
+    """ "This control plane is stopping" ends the stream on the agent's side as well: a control
+    plane that says so and then never ends the call (stuck in its stop) must not hold the agent,
+    which would wait on that stream forever instead of reconnecting."""
+    goodbye = encode(ErrorMessage(CloseCode.SERVICE_RESTART, "this control plane is stopping"))
+    closed: list[int] = []
+
+    class SaysGoodbyeThenNothing:
+        def __init__(self) -> None:
+            self.frames = [goodbye]
+
+        async def recv(self) -> str:
+            if self.frames:
+                return self.frames.pop(0)
+            await asyncio.Event().wait()  # the stream is never ended
+            raise AssertionError("unreachable")
+
+        async def send(self, text: str) -> None:
+            pass
+
+        async def close(self, code: int, reason: str) -> None:
+            closed.append(code)
+
+    config = ConnectionConfig(urls=("ws://127.0.0.1:1",), token="t", node="n1")
+    agent = Agent(config, supervisor=None)  # type: ignore[arg-type]
+    # A generous guard against hanging the suite, not a measure: the call returns at once.
+    await asyncio.wait_for(agent._receive(SaysGoodbyeThenNothing()), timeout=60)  # type: ignore[arg-type]
+    assert closed == [CloseCode.SERVICE_RESTART]
