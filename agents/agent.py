@@ -207,6 +207,7 @@ class Agent:
                 open_timeout=self.config.open_timeout,
                 keepalive_s=self.config.ping_interval,
                 max_message_bytes=MAX_MESSAGE_BYTES,
+                write_timeout=self.config.ping_timeout,
             )
             try:
                 yield link

@@ -201,11 +201,16 @@ class GrpcLink:
     ``read()`` cancels the whole call, and the agent cancels its receiver whenever it stops,
     which would drop the last status it had just written."""
 
-    def __init__(self, channel: Any, call: Any) -> None:
+    def __init__(self, channel: Any, call: Any, *, write_timeout: float) -> None:
         self.channel = channel
         self.call = call
+        # A write that does not complete in this long means the call is dead. Seen under load:
+        # after a control plane's stop closed the connection, grpc.aio left this side's pending
+        # write and half-close waiting for ever, and the agent with them, instead of failing.
+        self.write_timeout = write_timeout
         self._close_code: int | None = None
         self._close_reason = ""
+        self._closed = False
         self._frames: asyncio.Queue[Any] = asyncio.Queue()
         self._reader = asyncio.create_task(self._read_all(), name="grpc-read")
 
@@ -216,19 +221,31 @@ class GrpcLink:
                 self._frames.put_nowait(frame)
                 if frame is grpc.aio.EOF:
                     return
-        except grpc.aio.AioRpcError as exc:
+        except Exception as exc:  # whatever ended the reading ends the stream for recv()
             self._frames.put_nowait(exc)
 
     async def send(self, text: str) -> None:
+        if self._closed:
+            raise LinkClosed("the stream is closing", self._close_code)
+        frame = grpc_wire.text_to_frame(text, grpc_wire.AgentFrame)
         try:
-            await self.call.write(grpc_wire.text_to_frame(text, grpc_wire.AgentFrame))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError) as exc:
+            await asyncio.wait_for(self.call.write(frame), timeout=self.write_timeout)
+        except TimeoutError:
+            raise LinkClosed(
+                f"a write did not complete within {self.write_timeout:g}s", self._close_code
+            ) from None
+        except (
+            grpc.aio.AioRpcError,
+            grpc.aio.UsageError,
+            RuntimeError,
+            asyncio.InvalidStateError,  # a write racing the half-close of close()
+        ) as exc:
             await self._ended()
             raise LinkClosed(f"stream ended: {exc}", self._close_code) from None
 
     async def recv(self) -> str | bytes:
         item = await self._frames.get()
-        if isinstance(item, grpc.aio.AioRpcError) or item is grpc.aio.EOF:
+        if isinstance(item, Exception) or item is grpc.aio.EOF:
             self._frames.put_nowait(item)  # the end stays the end for every later call
             await self._ended()
         if isinstance(item, grpc.aio.AioRpcError):
@@ -237,32 +254,41 @@ class GrpcLink:
             raise LinkClosed(
                 f"{item.code().name}: {item.details() or 'no details'}", self._close_code
             )
+        if isinstance(item, Exception):
+            raise LinkClosed(f"reading the stream failed: {item!r}", self._close_code)
         if item is grpc.aio.EOF:
             raise LinkClosed("the control plane ended the stream", self._close_code)
         return grpc_wire.frame_to_text(item)
 
     async def _ended(self) -> None:
-        """Read the close code the control plane left in the trailing metadata."""
+        """Read the close code the control plane left in the trailing metadata (bounded: a
+        dead call may never give it)."""
         with contextlib.suppress(Exception):
-            trailing = await self.call.trailing_metadata()
+            trailing = await asyncio.wait_for(self.call.trailing_metadata(), CLOSE_TIMEOUT_S)
             for key, value in trailing or ():
                 if key == grpc_wire.CLOSE_CODE_KEY:
                     self._close_code = int(value)
-            self._close_reason = str(await self.call.details() or "")
+            details = await asyncio.wait_for(self.call.details(), CLOSE_TIMEOUT_S)
+            self._close_reason = str(details or "")
 
     async def close(self, code: int, reason: str) -> None:
         self._close_code = self._close_code or code
         self._close_reason = self._close_reason or reason
+        if self._closed:
+            return
+        self._closed = True
         if not self.call.done():
             # Half-close, then let the control plane read what was sent (the last status
             # before a shutdown) and end the call; cancelling at once could drop it, as a
-            # WebSocket close without its handshake would.
+            # WebSocket close without its handshake would. Each step is bounded: on a dead
+            # call none of them may ever complete.
             with contextlib.suppress(Exception):
-                await self.call.done_writing()
+                await asyncio.wait_for(self.call.done_writing(), timeout=CLOSE_TIMEOUT_S)
             await asyncio.wait({self._reader}, timeout=CLOSE_TIMEOUT_S)
         self._reader.cancel()
         self.call.cancel()
-        await self.channel.close(grace=None)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.channel.close(grace=None), timeout=CLOSE_TIMEOUT_S)
 
     @property
     def close_code(self) -> int | None:
@@ -311,6 +337,7 @@ async def open_grpc(
     open_timeout: float,
     keepalive_s: float,
     max_message_bytes: int,
+    write_timeout: float,
 ) -> GrpcLink:
 
     channel = grpc_channel(
@@ -326,4 +353,4 @@ async def open_grpc(
         request_serializer=grpc_wire.serialize,
         response_deserializer=grpc_wire.parse_server_frame,
     )
-    return GrpcLink(channel, stream(metadata=metadata))
+    return GrpcLink(channel, stream(metadata=metadata), write_timeout=write_timeout)

@@ -20,6 +20,19 @@ DEFAULT_SHUTDOWN_GRACE = 30.0
 DEFAULT_IDLE_LINGER = 10.0
 
 
+# channels_redis waits for a group message in a blocking pop of 5 s at a time
+# (RedisChannelLayer.brpop_timeout). redis-py 8 gives every read a 5 s timeout by default, so
+# each quiet wait ended in a TimeoutError: streams fell back to resyncs, and nudges were lost.
+# Longer than the pop, and still finite, so that a connection dropped without a FIN is noticed.
+CHANNEL_LAYER_READ_TIMEOUT_S = 30.0
+
+
+def redis_channel_layer(url: str) -> dict[str, object]:
+    """The channel layer on the Redis at ``url``, its reads outlasting the layer's own waits."""
+    host = {"address": url, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S}
+    return {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [host]}}
+
+
 class ConfigError(Exception):
     """A configuration value could not be used; the message names the variable."""
 

@@ -27,6 +27,7 @@ from llmgw_site.config import (
     env_port_range,
     env_str,
     parse_static_endpoints,
+    redis_channel_layer,
 )
 
 # Generic admin and queryset classes (ModelAdmin[Node]) must be subscriptable at run time.
@@ -221,12 +222,7 @@ if REDIS_URL and not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
     _errors.append(f"REDIS_URL={REDIS_URL!r} is not a redis://, rediss:// or unix:// URL")
 
 if REDIS_URL:
-    CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
-        }
-    }
+    CHANNEL_LAYERS = {"default": redis_channel_layer(REDIS_URL)}
     CACHES = {
         "default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
     }

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from agents import links
 from agents.agent import Agent, ConnectionConfig, after_stopping_close, backoff_delay, stream_url
 from agents.engines import (
     LaunchContext,
@@ -23,7 +24,7 @@ from agents.engines import (
     weights_path,
 )
 from agents.gpus import parse_simulated
-from agents.links import GRPC, WEBSOCKET, parse_target
+from agents.links import GRPC, WEBSOCKET, GrpcLink, LinkClosed, parse_target
 from agents.plan import fingerprint
 from agents.protocol import (
     CloseCode,
@@ -32,6 +33,7 @@ from agents.protocol import (
     Engine,
     ErrorMessage,
     FailureClass,
+    Heartbeat,
     encode,
 )
 
@@ -505,3 +507,60 @@ async def test_an_agent_leaves_a_stopping_control_plane_that_never_ends_the_stre
     # A generous guard against hanging the suite, not a measure: the call returns at once.
     await asyncio.wait_for(agent._receive(SaysGoodbyeThenNothing()), timeout=60)  # type: ignore[arg-type]
     assert closed == [CloseCode.SERVICE_RESTART]
+
+
+class _DeadCall:
+    """A grpc.aio stream call on a connection that is gone, as seen under load: no operation
+    on it ever completes, and none fails either."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    async def _never(self) -> Any:
+        await asyncio.Event().wait()
+
+    def read(self) -> Any:
+        return self._never()
+
+    def write(self, _frame: Any) -> Any:
+        return self._never()
+
+    def done_writing(self) -> Any:
+        return self._never()
+
+    def trailing_metadata(self) -> Any:
+        return self._never()
+
+    def details(self) -> Any:
+        return self._never()
+
+    def done(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class _DeadChannel:
+    def close(self, grace: float | None = None) -> Any:
+        return asyncio.Event().wait()
+
+
+async def test_a_grpc_stream_whose_operations_never_complete_is_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write that does not complete ends the link (the agent then reconnects), and closing
+    the link returns though neither the half-close nor the channel's close ever completes."""
+    monkeypatch.setattr(links, "CLOSE_TIMEOUT_S", 0.1)
+    call = _DeadCall()
+    link = GrpcLink(_DeadChannel(), call, write_timeout=0.2)
+    heartbeat = encode(Heartbeat(seq=1))
+    # Generous guards against hanging the suite, not measures.
+    with pytest.raises(LinkClosed, match="did not complete"):
+        await asyncio.wait_for(link.send(heartbeat), timeout=60)
+    await asyncio.wait_for(link.close(CloseCode.SERVICE_RESTART, "stopping"), timeout=60)
+    assert call.cancelled
+    assert link.close_code == CloseCode.SERVICE_RESTART
+    with pytest.raises(LinkClosed, match="closing"):
+        await asyncio.wait_for(link.send(heartbeat), timeout=60)

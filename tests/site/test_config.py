@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
 import pytest
+from channels_redis.core import RedisChannelLayer
 
 from llmgw_site import config
 from tests.harness.procs import REPO_ROOT
+from tests.harness.redis import RedisServer
 
 
 def test_boolean_accepts_the_usual_spellings() -> None:
@@ -114,3 +117,23 @@ def test_a_good_configuration_passes_django_checks(tmp_path) -> None:
     result = run_manage({"LLMGW_VAR_DIR": str(tmp_path), "SECRET_KEY": "x"}, "check")
     assert result.returncode == 0, result.stderr
     assert "no issues" in result.stdout
+
+
+async def test_the_redis_channel_layer_waits_out_a_quiet_spell(redis_server: RedisServer) -> None:
+    """With redis-py 8's default read timeout (5 s) every quiet wait for a group message ended
+    in a TimeoutError, and the streams waiting on it took Redis for down. A message sent after
+    the layer's own blocking pop (5 s) has come round once is received, and nothing raised."""
+    layer = RedisChannelLayer(**config.redis_channel_layer(redis_server.url)["CONFIG"])  # type: ignore[arg-type]
+    channel = await layer.new_channel()
+    quiet = RedisChannelLayer.brpop_timeout + 1
+
+    async def send_later() -> None:
+        await asyncio.sleep(quiet)
+        await layer.send(channel, {"type": "after.quiet"})
+
+    sender = asyncio.create_task(send_later())
+    # A generous guard against hanging the suite, not a measure.
+    message = await asyncio.wait_for(layer.receive(channel), timeout=quiet + 60)
+    await sender
+    assert message == {"type": "after.quiet"}
+    await layer.flush()
