@@ -40,6 +40,7 @@ from agents.protocol import NODE_HEADER, CloseCode, Heartbeat, Hello, encode
 from control import health, node_certs, node_tokens, nudges
 from control.models import Event, Lease, Node, Profile, Replica, ServedModel, Shard
 from gateway.models import UsageRecord
+from llmgw_site.config import redis_channel_layer
 from tests.harness.cluster import (
     GRPC,
     WEBSOCKET,
@@ -102,12 +103,7 @@ def fleet(cluster: Cluster, settings: Any) -> Cluster:
     """This process nudges through the cluster's Redis and judges health with its thresholds;
     the fleet is as the module started it."""
     assert cluster.redis is not None
-    settings.CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [cluster.redis.url]},
-        }
-    }
+    settings.CHANNEL_LAYERS = {"default": redis_channel_layer(cluster.redis.url)}
     settings.LLMGW_UNREACHABLE_AFTER = UNREACHABLE_AFTER
     settings.LLMGW_LOST_AFTER = LOST_AFTER
     reset(cluster)

@@ -45,6 +45,7 @@ from control import agent_reports, desired_state, health, node_tokens, nudges
 from control.agent_sessions import FULL_RESYNC_EVERY, AgentSession, HeartbeatWriter
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 from control.routing import websocket_urlpatterns
+from llmgw_site.config import redis_channel_layer
 from tests.harness.clock import FakeClock
 from tests.harness.factories import issue_node, make_model, make_profile, make_replica
 from tests.harness.waits import await_until
@@ -485,12 +486,7 @@ def test_nudges_of_a_batch_leave_when_it_ends_once_per_node() -> None:
 @committed
 def test_a_nudge_through_a_dead_channel_layer_fails_nobody(settings: Any) -> None:
     """The change is committed and the revision bumped; the periodic resync delivers it."""
-    settings.CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": ["redis://127.0.0.1:1"]},
-        }
-    }
+    settings.CHANNEL_LAYERS = {"default": redis_channel_layer("redis://127.0.0.1:1")}
     node, _ = issue_node("n1")
     with transaction.atomic():
         nudges.nudge_node(node.pk)
