@@ -211,6 +211,7 @@ class GrpcLink:
         self._close_code: int | None = None
         self._close_reason = ""
         self._closed = False
+        self._channel_closing: asyncio.Future[Any] | None = None
         self._frames: asyncio.Queue[Any] = asyncio.Queue()
         self._reader = asyncio.create_task(self._read_all(), name="grpc-read")
 
@@ -287,8 +288,12 @@ class GrpcLink:
             await asyncio.wait({self._reader}, timeout=CLOSE_TIMEOUT_S)
         self._reader.cancel()
         self.call.cancel()
+        # Shielded: a close cut short by the bound would leave the connection open (a loaded
+        # machine took longer than the bound once), so it goes on after the agent moves on;
+        # the link keeps the task, which asyncio itself holds only weakly.
+        self._channel_closing = asyncio.ensure_future(self.channel.close(grace=None))
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.channel.close(grace=None), timeout=CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(self._channel_closing), timeout=CLOSE_TIMEOUT_S)
 
     @property
     def close_code(self) -> int | None:
