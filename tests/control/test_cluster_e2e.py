@@ -289,16 +289,23 @@ def test_paused_terminated_and_partitioned_leaders_never_write_stale(cluster: Cl
         assert lease_state() == (new_owner, new_epoch), "the returning leader stays a follower"
 
         # [C6] the lease is lost mid-tick: the tick's remaining writes change nothing.
-        leader = wait_leader(cluster)
-        last_id = Replica.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
         more = "UPDATE control_servedmodel SET min_replicas = 3, max_replicas = 3 WHERE name='m'"
-        with table_locked("control_servedmodel", more):
-            # The leader's tick now waits inside its snapshot read.
-            wait_until(
-                lambda: "control_servedmodel" in str(execute_now(WAITING_ON, ("%servedmodel%",))),
-                what="a tick waiting on the catalog",
-            )
-            stolen_epoch = steal_lease()
+        for _attempt in range(10):
+            leader = wait_leader(cluster)
+            last_id = Replica.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+            try:
+                with table_locked("control_servedmodel", more):
+                    # The leader's tick now waits on the catalog: in its snapshot read, or in a
+                    # fenced write that holds the lease row, where no steal can happen until
+                    # it ends. Then the lock (and the change) is rolled back and tried again.
+                    if wait_until(catalog_waiter, what="a tick waiting on the catalog") == FENCED:
+                        raise _TickInsideAFence
+                    stolen_epoch = steal_lease()
+                break
+            except _TickInsideAFence:
+                continue
+        else:
+            pytest.fail("the tick was inside a fenced write each of 10 times")
         released = time.time()
         # The tick reads min 3, wants a replica, and its fenced write is refused.
         wait_until(lambda: tick_ended_since(events, leader, released), what="the stalled tick")
@@ -318,6 +325,24 @@ WAITING_ON = (
     "SELECT string_agg(query, ' ') FROM pg_stat_activity "
     "WHERE wait_event_type = 'Lock' AND query LIKE %s"
 )
+# The same, and whether the waiting transaction holds the lease (a fenced write): NULL when
+# none waits.
+WAITING_HOLDING_THE_LEASE = (
+    "SELECT bool_or(EXISTS (SELECT 1 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+    "WHERE l.pid = a.pid AND l.granted AND c.relname = 'control_lease')) "
+    "FROM pg_stat_activity a WHERE a.wait_event_type = 'Lock' AND a.query LIKE %s"
+)
+FENCED, UNFENCED = "fenced", "unfenced"
+
+
+class _TickInsideAFence(Exception):
+    pass
+
+
+def catalog_waiter() -> str | None:
+    """FENCED or UNFENCED when a statement waits on the catalog, None while none does."""
+    (holds_lease,) = execute_now(WAITING_HOLDING_THE_LEASE, ("%control_servedmodel%",))
+    return None if holds_lease is None else (FENCED if holds_lease else UNFENCED)
 
 
 def test_reconciler_ticks_survive_slow_ticks_dead_workers_and_a_broker_restart(
