@@ -288,6 +288,10 @@ class GrpcLink:
             await asyncio.wait({self._reader}, timeout=CLOSE_TIMEOUT_S)
         self._reader.cancel()
         self.call.cancel()
+        # The reader must have stopped before the channel closes: grpc.aio orphans the TCP
+        # connection of a channel closed while a read of its call is still being cancelled
+        # (grpc/grpc#42125), and a revoked agent kept its connection open that way.
+        await asyncio.wait({self._reader}, timeout=CLOSE_TIMEOUT_S)
         # Shielded: a close cut short by the bound would leave the connection open (a loaded
         # machine took longer than the bound once), so it goes on after the agent moves on;
         # the link keeps the task, which asyncio itself holds only weakly.
@@ -324,6 +328,9 @@ def grpc_channel(
         # One try per connect: the agent's own backoff decides when to try again.
         ("grpc.enable_retries", 0),
         ("grpc.enable_http_proxy", 0),
+        # The channel owns its connection: one channel per connection attempt, and closing it
+        # closes the connection (the process-wide pool may keep a closed channel's open).
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     if not target.tls:
         return grpc.aio.insecure_channel(target.authority, options=options)
