@@ -37,10 +37,14 @@ def pytest_configure(config: pytest.Config) -> None:
     """No connection pool in the test runner itself: pytest-django creates and drops the test
     database around connections held by threads it does not know (the async ORM's, the
     streams' store threads), which a pool keeps open. The processes tests start use the pool
-    as a deployment would."""
+    as a deployment would.
+
+    Passwords are hashed with few rounds (tests.harness.passwords): the real cost is a second
+    of CPU per user, and the suite makes hundreds."""
     from django.conf import settings
 
     settings.DATABASES["default"].get("OPTIONS", {}).pop("pool", None)
+    settings.PASSWORD_HASHERS = ["tests.harness.passwords.FewRoundsPBKDF2PasswordHasher"]
 
 
 def uses_store(item: pytest.Item) -> bool:

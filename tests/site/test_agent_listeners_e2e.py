@@ -156,7 +156,7 @@ def grpc_hello(plane: Plane) -> grpc.StatusCode | None:
             response_deserializer=grpc_wire.parse_server_frame,
         )
         try:
-            for frame in call(iter([hello]), timeout=30):
+            for frame in call(iter([hello]), timeout=120):
                 if frame.WhichOneof("message") == "welcome":
                     return None
         except grpc.RpcError as ended:
