@@ -10,9 +10,9 @@ TEST_STAMP := $(VENV)/.installed-test
 LLAMA_STAMP := $(VENV)/.installed-llamacpp
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
-typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp bench bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
+typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
 
-.PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp bench bench-fleet bench-accounting bench-usage clean
+.PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -77,8 +77,14 @@ pytest-postgres: $(TEST_STAMP)
 	  DATABASE_URL=$(POSTGRES_URL) $(PY) -m pytest $(XDIST) --store-tests-only -m 'not llamacpp' $(PYTEST_ARGS); \
 	elif [ $$rc != 3 ]; then exit $$rc; fi
 
-pytest-llamacpp: $(LLAMA_STAMP)
+# The two backends' llama.cpp tests run side by side: they wait on the build, then mostly on
+# the engines they start.
+pytest-llamacpp: pytest-llamacpp-sqlite pytest-llamacpp-postgres
+
+pytest-llamacpp-sqlite: $(LLAMA_STAMP)
 	DATABASE_URL=$(SQLITE_URL) $(PY) -m pytest -m llamacpp $(PYTEST_ARGS)
+
+pytest-llamacpp-postgres: $(LLAMA_STAMP)
 	@$(PY) -m tests.harness.require_postgres; rc=$$?; \
 	if [ $$rc = 0 ]; then \
 	  DATABASE_URL=$(POSTGRES_URL) $(PY) -m pytest --store-tests-only -m llamacpp $(PYTEST_ARGS); \
@@ -88,7 +94,7 @@ pytest-llamacpp: $(LLAMA_STAMP)
 # waiting on the processes it starts, so the checks, both passes and llama.cpp's build (first
 # in the list, so it starts first) share two cores well.
 test: $(TEST_STAMP)
-	$(MAKE) --no-print-directory -j6 --output-sync=target pytest-llamacpp lint typecheck migrations-check pytest-sqlite pytest-postgres
+	$(MAKE) --no-print-directory -j7 --output-sync=target pytest-llamacpp-sqlite pytest-llamacpp-postgres lint typecheck migrations-check pytest-sqlite pytest-postgres
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench

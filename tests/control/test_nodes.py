@@ -1,6 +1,6 @@
 """Nodes on the control-plane side: tokens, health from heartbeats, what agents report, the
 desired state they are sent, nudges, and the stream consumer (in process, through Channels'
-test communicator; the real-process version is in test_agent_e2e.py)."""
+test communicator; the real-process version is in agents/agent_e2e.py)."""
 
 from __future__ import annotations
 

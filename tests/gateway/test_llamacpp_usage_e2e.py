@@ -16,7 +16,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.agents.test_agent_e2e import write_tiny_llama
+from tests.agents.agent_e2e import write_tiny_llama
 from tests.harness.factories import make_key, serve_model
 from tests.harness.live import http, start_web, stop_checked, wait_for_rows
 from tests.harness.procs import PYTHON, Proc, free_port

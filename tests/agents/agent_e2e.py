@@ -3,11 +3,14 @@ two agents with simulated GPUs, ``sim`` (and one llama.cpp) engines the agents s
 desired state written to the database, a private Redis as the channel layer, and the official
 ``openai`` client talking to the shards. Scenario codes (N1...) are those of docs/scenarios.md.
 
-The cluster starts once for the module; before each test the fleet is brought back to where
-it started (no shards, both agents connected and ready, the web process and Redis up), and
-each test places what it needs. Intervals are shrunk through the environment (unreachable
-after 3s, lost after 6s), so every wait here is a poll with a generous deadline. What a test
-concludes comes from the store, the processes and their sockets, never from log text.
+The cases are collected by two modules, one per transport (test_agent_e2e_websocket.py and
+test_agent_e2e_grpc.py, each naming its ``TRANSPORT``), so that a parallel run can give them to
+two workers. The cluster starts once for each module; before each test the fleet is brought
+back to where it started (no shards, both agents connected and ready, the web process and Redis
+up), and each test places what it needs. Intervals are shrunk through the environment
+(unreachable after 3s, lost after 6s), so every wait here is a poll with a generous deadline.
+What a test concludes comes from the store, the processes and their sockets, never from log
+text.
 """
 
 from __future__ import annotations
@@ -70,18 +73,19 @@ WEB_SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module", params=[WEBSOCKET, GRPC], ids=["websocket", "grpc-mtls"])
+@pytest.fixture(scope="module")
 def cluster(
     request: pytest.FixtureRequest,
     django_db_setup: None,
     django_db_blocker: DjangoDbBlocker,
     tmp_path_factory: Any,
 ) -> Iterator[Cluster]:
-    """The web process and agents n1 and n2, started once for each transport: WebSocket with
-    node tokens, and gRPC with mutual TLS (node certificates from the cluster's CA)."""
+    """The web process and agents n1 and n2 over the module's ``TRANSPORT``: WebSocket with
+    node tokens, or gRPC with mutual TLS (node certificates from the cluster's CA)."""
+    transport = request.module.TRANSPORT
     with module_store(django_db_blocker):
         c = Cluster(
-            tmp_path_factory.mktemp("agents-e2e"), settings=WEB_SETTINGS, transport=request.param
+            tmp_path_factory.mktemp("agents-e2e"), settings=WEB_SETTINGS, transport=transport
         )
         try:
             c.start_redis()
