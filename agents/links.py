@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,6 +299,17 @@ class GrpcLink:
         self._channel_closing = asyncio.ensure_future(self.channel.close(grace=None))
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self._channel_closing), timeout=CLOSE_TIMEOUT_S)
+        self._release_call()
+
+    def _release_call(self) -> None:
+        """Let go of the call now. grpc.aio tears a channel's connection down only once its
+        last call object is freed, and the link's reference cycles (a read's exception and its
+        traceback hold the call) wait for the garbage collector, which an agent sleeping out
+        a long backoff may not run for minutes: a revoked agent kept its connection open."""
+        self.call = None
+        self._frames = asyncio.Queue()
+        self._frames.put_nowait(grpc.aio.EOF)  # the end stays the end for a later recv()
+        gc.collect()  # cycles inside grpc.aio that hold the call (one per disconnect: cheap)
 
     @property
     def close_code(self) -> int | None:

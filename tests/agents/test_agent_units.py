@@ -4,13 +4,16 @@ simulated GPUs and weights paths. Plain data in, plain data out; no process, no 
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from agents import links
+from agents import grpc_wire, links
 from agents.agent import Agent, ConnectionConfig, after_stopping_close, backoff_delay, stream_url
 from agents.engines import (
     LaunchContext,
@@ -36,6 +39,8 @@ from agents.protocol import (
     Heartbeat,
     encode,
 )
+from tests.harness.procs import connections_to
+from tests.harness.waits import await_until
 
 CTX = LaunchContext(host="10.0.0.7", python="/opt/py/bin/python", weights_dir=Path("/srv/w"))
 SHARD = DesiredShard(
@@ -564,3 +569,44 @@ async def test_a_grpc_stream_whose_operations_never_complete_is_given_up(
     assert link.close_code == CloseCode.SERVICE_RESTART
     with pytest.raises(LinkClosed, match="closing"):
         await asyncio.wait_for(link.send(heartbeat), timeout=60)
+
+
+async def test_a_link_the_control_plane_ended_leaves_no_connection_even_without_a_gc_pass() -> None:
+    """The control plane ends the stream (a revoked certificate), the agent closes its link and
+    sleeps out a long backoff, allocating nothing, so no garbage collection runs: the TCP
+    connection must be gone all the same. grpc.aio tears a channel's connection down only once
+    its last call object is freed, and the link's reference cycles held the call."""
+
+    async def revoked(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "node credentials refused")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                grpc_wire.SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(revoked)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    gc.disable()
+    try:
+        link = await links.open_grpc(
+            parse_target(f"grpc://127.0.0.1:{port}", GRPC),
+            links.TlsFiles(),
+            (),
+            open_timeout=60,
+            keepalive_s=30,
+            max_message_bytes=1 << 20,
+            write_timeout=60,
+        )
+        await link.send(encode(Heartbeat(seq=1)))
+        with pytest.raises(links.Refused):
+            await asyncio.wait_for(link.recv(), timeout=60)
+        assert connections_to(os.getpid(), port)
+        await link.close(1000, "")
+        await await_until(lambda: not connections_to(os.getpid(), port), what="no connection")
+    finally:
+        gc.enable()
+        await server.stop(None)
