@@ -119,6 +119,37 @@ def test_a_good_configuration_passes_django_checks(tmp_path) -> None:
     assert "no issues" in result.stdout
 
 
+@pytest.mark.parametrize(("command", "daphne"), [("runserver", True), ("check", False)])
+def test_daphne_serves_runserver_and_no_other_process_loads_it(
+    tmp_path, command: str, daphne: bool
+) -> None:
+    """`runserver` is Daphne's (development, WebSockets included); every other process (web
+    processes, worker, beat, commands) starts without Daphne and Twisted."""
+    code = (
+        f"import sys; sys.argv = ['manage.py', {command!r}]; import django; django.setup(); "
+        "from django.core.management import get_commands; "
+        "print(get_commands()['runserver'], 'twisted' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "DJANGO_SETTINGS_MODULE": "llmgw_site.settings",
+            "LLMGW_VAR_DIR": str(tmp_path),
+            "SECRET_KEY": "x",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == (
+        ["daphne", "True"] if daphne else ["django.contrib.staticfiles", "False"]
+    )
+
+
 async def test_the_redis_channel_layer_waits_out_a_quiet_spell(redis_server: RedisServer) -> None:
     """With redis-py 8's default read timeout (5 s) every quiet wait for a group message ended
     in a TimeoutError, and the streams waiting on it took Redis for down. A message sent after
