@@ -431,19 +431,20 @@ def test_v1_requests_through_two_web_processes_are_counted_once_each(
         c.chat.completions.create(
             model="metrics-count", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
-    # Each process writes its counters to the shared files within a second of a request.
+
+    def counted(text: str) -> tuple[float | None, ...]:
+        return (
+            value(text, "llmgw_requests_total", model="metrics-count", status="200"),
+            value(text, "llmgw_tokens_total", model="metrics-count", kind="completion"),
+            value(
+                text, "llmgw_time_to_first_token_seconds_count", model="metrics-count", status="200"
+            ),
+        )
+
+    # Each process writes its metrics to the shared files within a second of a request, one
+    # metric after another: a scrape meanwhile may see one counted and the next not yet.
     text = wait_until(
-        lambda: (
-            (t := scrape(web_b))
-            and value(t, "llmgw_requests_total", model="metrics-count", status="200") == 3
-            and t
-        ),
-        what="the three requests counted",
+        lambda: (t := scrape(web_b)) and counted(t) == (3, 9, 3) and t,
+        what="the three requests counted, with their tokens and times to first token",
     )
-    assert value(text, "llmgw_requests_total", model="metrics-count", status="200") == 3
-    assert value(text, "llmgw_tokens_total", model="metrics-count", kind="completion") == 9
-    counts = value(
-        text, "llmgw_time_to_first_token_seconds_count", model="metrics-count", status="200"
-    )
-    assert counts == 3
     assert json.dumps(text)  # the whole exposition is text
