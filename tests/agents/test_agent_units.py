@@ -4,6 +4,7 @@ simulated GPUs and weights paths. Plain data in, plain data out; no process, no 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 from dataclasses import replace
@@ -601,7 +602,9 @@ async def test_a_link_the_control_plane_ended_leaves_no_connection_even_without_
             max_message_bytes=1 << 20,
             write_timeout=60,
         )
-        await link.send(encode(Heartbeat(seq=1)))
+        # The agent's first frame; the control plane may have ended the call before it.
+        with contextlib.suppress(LinkClosed):
+            await link.send(encode(Heartbeat(seq=1)))
         with pytest.raises(links.Refused):
             await asyncio.wait_for(link.recv(), timeout=60)
         assert connections_to(os.getpid(), port)
