@@ -413,7 +413,11 @@ def test_a_request_waits_for_a_cold_model_and_goes_through_when_it_is_ready(stac
     response = conn.getresponse()
     status = response.status
     first = response.readline()  # the request is held, and the client is told so
-    assert ServedModel.objects.get(pk=served.model.pk).demand_at is not None
+    # The demand is stamped by the process's next batch of stamps, not before the first byte.
+    wait_until(
+        lambda: ServedModel.objects.get(pk=served.model.pk).demand_at is not None,
+        what="the held request's demand recorded",
+    )
     Replica.objects.filter(pk=served.replicas[0].pk).update(observed=Replica.Observed.READY)
     raw = first + response.read()
     conn.close()
