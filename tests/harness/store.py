@@ -30,8 +30,11 @@ def database_url_for_children() -> str:
 
 
 def process_env(**extra: str) -> dict[str, str]:
-    """The environment of a process a test starts that needs no store of the test's."""
+    """The environment of a process a test starts that needs no store of the test's. Not the
+    test process's metrics folder: a process started with ``LLMGW_VAR_DIR`` keeps its metrics
+    there, as ``manage.py run``'s processes do under theirs."""
     env = dict(os.environ)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.setdefault("SECRET_KEY", "llmgw-checks-only-not-a-secret")
     env.update(extra)
     return env
