@@ -17,10 +17,12 @@ import fcntl
 import logging
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import cached_property
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
@@ -97,13 +99,6 @@ class ReplicaView:
         return any(shard.observed in LIVE_SHARD_STATES for shard in self.shards)
 
 
-@dataclass(frozen=True)
-class GpuView:
-    index: int
-    memory_total_mib: int
-    memory_used_mib: int
-
-
 @dataclass
 class NodeView:
     """What a tick needs of a node, read as plain values (no model instances: at a thousand
@@ -118,7 +113,8 @@ class NodeView:
     port_max: int | None
     weights_report: list[object]
     remove_weights: list[str]
-    gpus: list[GpuView] = field(default_factory=list)
+    # Each GPU with the memory it has free (total minus what others use), built once here.
+    gpus: list[placement.FreeGpu] = field(default_factory=list)
 
 
 @dataclass
@@ -127,9 +123,20 @@ class Snapshot:
     models: dict[int, ServedModel]
     nodes: dict[int, NodeView]
     replicas: list[ReplicaView]
+    # Every profile, and each model's scaling units (see units_of), read with the models.
+    profiles: dict[int, Profile] = field(default_factory=dict)
+    units: dict[int, list[ScaleUnit]] = field(default_factory=dict)
 
     def replicas_of(self, model_id: int) -> list[ReplicaView]:
-        return [r for r in self.replicas if r.model_id == model_id]
+        return self._replicas_by_model.get(model_id, [])
+
+    @cached_property
+    def _replicas_by_model(self) -> dict[int, list[ReplicaView]]:
+        # Looked up once per model per tick: a scan each time was models × replicas.
+        by_model: dict[int, list[ReplicaView]] = defaultdict(list)
+        for replica in self.replicas:
+            by_model[replica.model_id].append(replica)
+        return by_model
 
 
 _NODE_FIELDS = (
@@ -158,18 +165,34 @@ def read_nodes() -> dict[int, NodeView]:
     ):
         node = nodes.get(node_id)
         if node is not None:  # a node created after the first query: seen next tick
-            node.gpus.append(GpuView(index, total, used))
+            node.gpus.append(placement.FreeGpu(index, max(0, total - used)))
     return nodes
+
+
+def read_catalog() -> tuple[dict[int, ServedModel], dict[int, Profile], dict[int, list[ScaleUnit]]]:
+    """The models, every profile, and each model's scaling units: four queries, and each
+    profile built once. (``prefetch_related`` made a queryset per model and relation, and
+    ``select_related`` decoded the default profile's JSON once per model: at 500 models that
+    was 40% of a steady tick.)"""
+    profiles = Profile.objects.in_bulk()
+    models: dict[int, ServedModel] = {}
+    for model in ServedModel.objects.order_by("pk"):
+        model.default_profile = profiles[model.default_profile_id]
+        models[model.pk] = model
+    listed: dict[int, list[Profile]] = defaultdict(list)
+    through = ServedModel.profiles.through.objects.values_list("servedmodel_id", "profile_id")
+    for model_id, profile_id in through:
+        listed[model_id].append(profiles[profile_id])
+    rows: dict[int, dict[int, ProfileScale]] = defaultdict(dict)
+    for row in ProfileScale.objects.all():
+        rows[row.model_id][row.profile_id] = row
+    units = {pk: units_of(model, listed[pk], rows[pk]) for pk, model in models.items()}
+    return models, profiles, units
 
 
 def read_snapshot(now: datetime) -> Snapshot:
     """Everything one tick decides on, in a handful of set-based queries."""
-    models = {
-        m.pk: m
-        for m in ServedModel.objects.select_related("default_profile").prefetch_related(
-            "profiles", "scales"
-        )
-    }
+    models, profiles, units = read_catalog()
     fleet = read_nodes()
     replicas: dict[int, ReplicaView] = {}
     # Stopped replicas matter only while a shard may still run (its GPUs are not free yet).
@@ -178,7 +201,6 @@ def read_snapshot(now: datetime) -> Snapshot:
         Exists(live_shard)
     )
     in_flight = gateway_counts.in_flight_by_replica()
-    profile_names = dict(Profile.objects.values_list("id", "name"))
     for row in current.order_by("id").values_list(
         "pk",
         "model_id",
@@ -201,7 +223,7 @@ def read_snapshot(now: datetime) -> Snapshot:
             failures,
             backoff,
             last,
-            profile_name=profile_names.get(profile_id, ""),
+            profile_name=profiles[profile_id].name if profile_id in profiles else "",
             gateway_in_flight=in_flight.get(pk, 0),
             draining_since=since,
             drain_held=held,
@@ -221,7 +243,7 @@ def read_snapshot(now: datetime) -> Snapshot:
                 running or 0,
             )
         )
-    return Snapshot(now, models, fleet, list(replicas.values()))
+    return Snapshot(now, models, fleet, list(replicas.values()), profiles, units)
 
 
 def _schedulable(node: NodeView) -> bool:
@@ -243,10 +265,7 @@ def fleet_of(snapshot: Snapshot) -> scaling.Fleet:
         nodes.append(
             placement.NodeCapacity(
                 node.name,
-                tuple(
-                    placement.FreeGpu(gpu.index, max(0, gpu.memory_total_mib - gpu.memory_used_mib))
-                    for gpu in node.gpus
-                ),
+                tuple(node.gpus),
                 labels={str(k): str(v) for k, v in node.labels.items()},
                 cached_sources=frozenset(present),
                 port_range=port_range,
@@ -341,21 +360,16 @@ def unit_key(model: ServedModel, profile: Profile) -> str:
     return f"{model.name}@{profile.name}"
 
 
-def units_of(model: ServedModel) -> list[ScaleUnit]:
-    """The model under its default profile first, then under each other profile it lists."""
-    rows = {row.profile_id: row for row in model.scales.all()}
+def units_of(
+    model: ServedModel, listed: Iterable[Profile], rows: dict[int, ProfileScale]
+) -> list[ScaleUnit]:
+    """The model under its default profile first, then under each other profile it lists
+    (``listed``), with that profile's ProfileScale row from ``rows`` by profile id (pure)."""
     units = [ScaleUnit(model, model.default_profile)]
-    for profile in sorted(model.profiles.all(), key=lambda p: p.name):
+    for profile in sorted(listed, key=lambda p: p.name):
         if profile.pk != model.default_profile_id:
             units.append(ScaleUnit(model, profile, rows.get(profile.pk)))
     return units
-
-
-def demand_of(
-    model: ServedModel, uses: Iterable[lifecycle.ReplicaUse] = ()
-) -> lifecycle.ModelDemand:
-    """The model's traffic under its default profile (see :meth:`ScaleUnit.demand`)."""
-    return ScaleUnit(model, model.default_profile).demand(uses)
 
 
 # --------------------------------------------------------------------------- state changes
@@ -727,10 +741,21 @@ class ScalingView:
         ]
         minimum = {
             unit.key: unit.demand().min_replicas
-            for m in snapshot.models.values()
-            for unit in units_of(m)
+            for units in snapshot.units.values()
+            for unit in units
         }
         return cls(fleet_of(snapshot), replicas, minimum)
+
+    @cached_property
+    def _by_unit(self) -> dict[str, list[scaling.ReplicaState]]:
+        by_unit: dict[str, list[scaling.ReplicaState]] = defaultdict(list)
+        for state in self.replicas:
+            by_unit[state.use.model].append(state)
+        return by_unit
+
+    def replicas_of(self, key: str) -> list[scaling.ReplicaState]:
+        """The running and draining replicas of one scaling unit, without a scan of all."""
+        return self._by_unit.get(key, [])
 
     def record_placement(
         self, unit: ScaleUnit, replica_id: int, where: placement.Placement
@@ -739,7 +764,9 @@ class ScalingView:
         use = lifecycle.ReplicaUse(
             replica_id, unit.key, False, unit.model.pinned, 0, unit.model.last_request_at
         )
-        self.replicas.append(scaling.ReplicaState(use, draining=False))
+        state = scaling.ReplicaState(use, draining=False)
+        self._by_unit[unit.key].append(state)  # (the index first: built now, it would hold it)
+        self.replicas.append(state)
 
 
 def models_in_turn(models: Iterable[ServedModel], resume_after: int | None) -> list[ServedModel]:
@@ -763,14 +790,17 @@ def _scale_all(
 ) -> None:
     view = ScalingView.of(snapshot)
     for model in models_in_turn(snapshot.models.values(), resume_after):
-        units = units_of(model)
+        units = list(snapshot.units[model.pk])
         # Replicas under a profile the model no longer lists are retired as a unit of their
         # own (nothing wanted), so they drain once idle instead of running on for ever.
         listed = {unit.profile.pk for unit in units}
         gone = {r.profile_id for r in snapshot.replicas_of(model.pk)} - listed
         units += [
             ScaleUnit(model, profile, retired=True)
-            for profile in Profile.objects.filter(pk__in=gone).order_by("name")
+            for profile in sorted(
+                (snapshot.profiles[pk] for pk in gone if pk in snapshot.profiles),
+                key=lambda p: p.name,
+            )
         ]
         for unit in units:
             _scale(lead, view, unit, snapshot.now, result)
@@ -785,11 +815,12 @@ def _scale(
     """Carry out the scaling decision for one model under one profile, one state change per
     action, in order."""
     model = unit.model
-    mine = [r.use for r in view.replicas if r.use.model == unit.key and not r.draining]
+    mine = [r.use for r in view.replicas_of(unit.key) if not r.draining]
     decision = scaling.scale(
         scaling.ModelScale(unit.key, unit.demand(mine), replica_request(model, unit.profile)),
         view.replicas,
         view.fleet,
+        own=view.replicas_of(unit.key),
         min_replicas=view.min_replicas,
         now=now,
         port_range=settings.LLMGW_PORT_RANGE,

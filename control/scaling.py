@@ -141,10 +141,14 @@ def scale(
     min_replicas: Mapping[str, int],
     now: datetime,
     port_range: tuple[int, int],
+    own: Sequence[ReplicaState] | None = None,
 ) -> list[ScaleAction]:
     """What to do about ``model`` now. ``replicas`` holds every model's running and draining
-    replicas (eviction looks at the others); ``min_replicas`` every model's minimum."""
-    mine = [r for r in replicas if r.use.model == model.name and not r.draining]
+    replicas (eviction looks at the others); ``min_replicas`` every model's minimum. ``own``,
+    when the caller has them at hand, are those of ``replicas`` that are this model's (at
+    hundreds of models, finding them in ``replicas`` for each was a tick's largest loop)."""
+    own = [r for r in replicas if r.use.model == model.name] if own is None else own
+    mine = [r for r in own if not r.draining]
     leaving = [r for r in mine if r.leaving]
     active = [r for r in mine if not r.leaving]
     actions: list[ScaleAction] = []
