@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import grpc
-from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import DatabaseError
@@ -35,7 +34,7 @@ from django.db import DatabaseError
 from agents import grpc_wire
 from agents.protocol import MAX_MESSAGE_BYTES, CloseCode, ErrorMessage, ProtocolError, encode
 from control import node_certs, node_tokens, nudges
-from control.agent_sessions import AgentSession
+from control.agent_sessions import AgentSession, in_credentials_thread
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class AgentServicer:
         metadata = {k: str(v) for k, v in context.invocation_metadata() or ()}
         peer_cert = (context.auth_context().get("x509_pem_cert") or [None])[0]
         try:
-            identity = await database_sync_to_async(authenticate)(
+            identity = await in_credentials_thread(authenticate)(
                 metadata, peer_cert, require_identity=self.require_identity
             )
         except node_tokens.TokenRejected as exc:

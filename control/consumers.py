@@ -23,7 +23,7 @@ from django.db import DatabaseError
 
 from agents.protocol import NODE_HEADER, CloseCode, ErrorMessage, encode
 from control import node_tokens, nudges
-from control.agent_sessions import AgentSession, in_store_thread
+from control.agent_sessions import AgentSession, in_credentials_thread
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class NodeTokenAuthMiddleware:
         try:
             if scheme.lower() != "bearer":
                 raise node_tokens.TokenRejected("no bearer token")
-            identity = await in_store_thread(node_tokens.authenticate)(token.strip(), claimed)
+            identity = await in_credentials_thread(node_tokens.authenticate)(token.strip(), claimed)
         except node_tokens.TokenRejected as exc:
             logger.warning("agent stream from %s refused at the handshake: %s", _client(scope), exc)
             await _deny(receive, send)
