@@ -226,10 +226,11 @@ async def _nudges(session: AgentSession) -> None:
         while not session.closed:
             try:
                 if not joined:
-                    await layer.group_add(group, channel)
-                    await layer.group_send(
-                        group, {"type": nudges.SESSION_TAKEOVER, "channel": channel}
-                    )
+                    async with nudges.layer_slot():
+                        await layer.group_add(group, channel)
+                        await layer.group_send(
+                            group, {"type": nudges.SESSION_TAKEOVER, "channel": channel}
+                        )
                     joined = True
                 message = await layer.receive(channel)
                 delay = 0.5
@@ -257,7 +258,8 @@ async def _nudges(session: AgentSession) -> None:
                 )
     finally:
         with contextlib.suppress(Exception):
-            await layer.group_discard(group, channel)
+            async with nudges.layer_slot():
+                await layer.group_discard(group, channel)
 
 
 # --------------------------------------------------------------------------- the server

@@ -137,9 +137,10 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
     async def _join_group(self) -> None:
         assert self.session is not None
         try:
-            await self.channel_layer.group_add(
-                nudges.node_group(self.session.identity.id), self.channel_name
-            )
+            async with nudges.layer_slot():
+                await self.channel_layer.group_add(
+                    nudges.node_group(self.session.identity.id), self.channel_name
+                )
         except Exception as exc:
             self._mark_layer_down(exc)
             return
@@ -154,10 +155,11 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
         await self._join_group()
         # An older stream of this node (a half-open one the agent gave up on) closes itself.
         with contextlib.suppress(Exception):
-            await self.channel_layer.group_send(
-                nudges.node_group(identity.id),
-                {"type": nudges.SESSION_TAKEOVER, "channel": self.channel_name},
-            )
+            async with nudges.layer_slot():
+                await self.channel_layer.group_send(
+                    nudges.node_group(identity.id),
+                    {"type": nudges.SESSION_TAKEOVER, "channel": self.channel_name},
+                )
         self._ticker = asyncio.create_task(self._tick_loop())
 
     async def _tick_loop(self) -> None:
@@ -211,9 +213,10 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
         self.session.disconnected()
         logger.info("node %s: stream closed (code %s)", self.session.name, code)
         with contextlib.suppress(Exception):
-            await self.channel_layer.group_discard(
-                nudges.node_group(self.session.identity.id), self.channel_name
-            )
+            async with nudges.layer_slot():
+                await self.channel_layer.group_discard(
+                    nudges.node_group(self.session.identity.id), self.channel_name
+                )
 
     async def desired_changed(self, event: dict[str, Any]) -> None:
         if self.session is not None:

@@ -8,10 +8,12 @@ visible.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Final
 
 from asgiref.sync import async_to_sync
@@ -27,6 +29,29 @@ logger = logging.getLogger(__name__)
 DESIRED_CHANGED: Final = "desired.changed"
 TOKEN_REVOKED: Final = "token.revoked"  # noqa: S105 - a message type, not a secret
 SESSION_TAKEOVER: Final = "session.takeover"
+
+
+# The Redis channel layer takes a pool connection for each call in flight, and redis-py's pool
+# refuses a call past its 100 connections (MaxConnectionsError) instead of queueing it. Measured
+# at 1,000 nodes: the agents connecting to one web process made 500 calls at once, and every
+# stream past the 100th ran as if the layer were down (no nudges, a rejoin each tick, the
+# database polled instead). Calls of the streams (WebSocket and gRPC) beyond this many
+# wait their turn.
+LAYER_CALLS_IN_FLIGHT = 32
+_layer_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@asynccontextmanager
+async def layer_slot() -> AsyncIterator[None]:
+    """Hold one of this event loop's channel-layer call slots."""
+    loop = asyncio.get_running_loop()
+    slots = _layer_slots.get(loop)
+    if slots is None:
+        slots = _layer_slots[loop] = asyncio.Semaphore(LAYER_CALLS_IN_FLIGHT)
+    async with slots:
+        yield
 
 
 def node_group(node_id: int) -> str:

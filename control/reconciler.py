@@ -320,6 +320,13 @@ class ScaleUnit:
     def key(self) -> str:
         return unit_key(self.model, self.profile)
 
+    @property
+    def min_replicas(self) -> int:
+        """The replicas it keeps however idle (as :meth:`demand` reports it)."""
+        if self.default:
+            return self.model.min_replicas
+        return self.row.min_replicas if self.row is not None else 0
+
     def demand(self, uses: Iterable[lifecycle.ReplicaUse] = ()) -> lifecycle.ModelDemand:
         """Its traffic: the last request (started, or finished on one of its replicas,
         whichever is later) and what is in flight on its replicas now."""
@@ -740,9 +747,7 @@ class ScalingView:
             if r.desired in (Replica.Desired.RUNNING, Replica.Desired.DRAINING)
         ]
         minimum = {
-            unit.key: unit.demand().min_replicas
-            for units in snapshot.units.values()
-            for unit in units
+            unit.key: unit.min_replicas for units in snapshot.units.values() for unit in units
         }
         return cls(fleet_of(snapshot), replicas, minimum)
 
