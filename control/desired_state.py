@@ -18,11 +18,6 @@ from control.models import Node, Replica, Shard
 Observed = Replica.Observed
 
 
-def desired_revision(node_id: int) -> int | None:
-    """The revision of a node's desired state (None: the node is gone)."""
-    return Node.objects.filter(pk=node_id).values_list("desired_revision", flat=True).first()
-
-
 def current_epoch() -> int:
     """The leader epoch desired state is stamped with (0 before anybody ever led)."""
     view = leases.read()

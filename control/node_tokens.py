@@ -120,3 +120,13 @@ def still_valid(identity: NodeIdentity) -> bool:
     else:
         return False
     return rows.exists()
+
+
+def holds_credential(identity: NodeIdentity, token_hash: str, cert_serial: str) -> bool:
+    """:func:`still_valid` on a node row already read (its ``token_hash`` and
+    ``cert_serial``): the batched resync of many streams reads their rows together."""
+    if identity.cert_serial:
+        return cert_serial == identity.cert_serial
+    if identity.token_hash:
+        return token_hash == identity.token_hash
+    return False

@@ -4,6 +4,7 @@ test communicator; the real-process version is in agents/agent_e2e.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -20,7 +21,7 @@ from channels.layers import get_channel_layer
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.core.management import call_command
-from django.db import transaction
+from django.db import OperationalError, transaction
 from django.utils import timezone
 
 from agents.protocol import (
@@ -42,7 +43,13 @@ from agents.protocol import (
     encode,
 )
 from control import agent_reports, desired_state, health, node_tokens, nudges
-from control.agent_sessions import FULL_RESYNC_EVERY, AgentSession, HeartbeatWriter
+from control.agent_sessions import (
+    FULL_RESYNC_EVERY,
+    AgentSession,
+    HeartbeatWriter,
+    NodeRowReader,
+    read_node_rows,
+)
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 from control.routing import websocket_urlpatterns
 from llmgw_site.config import redis_channel_layer
@@ -650,6 +657,40 @@ async def test_a_revoked_token_ends_the_open_stream_at_the_next_resync_without_a
     await session.tick()
     assert transport.closed is not None and transport.closed[0] == CloseCode.UNAUTHORIZED
     assert "revoked" in json.loads(transport.sent[-1])["message"]
+
+
+@committed
+async def test_the_resyncs_of_many_streams_read_their_nodes_in_one_query(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thousand streams each re-check their credential and revision every interval: their
+    reads within a window share one query, and each gets its own node's row (none for a node
+    that is gone); a failed read fails every reader, as its own read would have."""
+    nodes = [(await database_sync_to_async(issue_node)(f"n{i}"))[0] for i in range(5)]
+    await Node.objects.filter(pk=nodes[2].pk).aupdate(desired_revision=7)
+    queries: list[list[int]] = []
+
+    def counted(node_ids: list[int]) -> dict[int, Any]:
+        queries.append(sorted(node_ids))
+        return read_node_rows(node_ids)
+
+    monkeypatch.setattr("control.agent_sessions.read_node_rows", counted)
+    reader = NodeRowReader()
+    gone = max(n.pk for n in nodes) + 1000
+    rows = await asyncio.gather(*(reader.read(n.pk) for n in [*nodes, nodes[2]]), reader.read(gone))
+    assert queries == [sorted({n.pk for n in nodes} | {gone})]
+    assert [r.desired_revision if r else None for r in rows] == [0, 0, 7, 0, 0, 7, None]
+    stored = await Node.objects.aget(pk=nodes[1].pk)
+    assert rows[1] is not None and rows[1].token_hash == stored.token_hash
+
+    def broken(node_ids: list[int]) -> dict[int, Any]:
+        raise OperationalError("the store is down")
+
+    monkeypatch.setattr("control.agent_sessions.read_node_rows", broken)
+    outcomes = await asyncio.gather(
+        reader.read(nodes[0].pk), reader.read(nodes[1].pk), return_exceptions=True
+    )
+    assert all(isinstance(o, OperationalError) for o in outcomes)
 
 
 @committed
