@@ -10,7 +10,7 @@ one eviction at a time, only for a model with requests waiting and nothing place
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -136,7 +136,7 @@ ScaleAction = SatisfyDemand | Place | NoteUnplaceable | Drain | Stop
 def scale(
     model: ModelScale,
     replicas: Sequence[ReplicaState],
-    fleet: Fleet,
+    fleet: Fleet | Callable[[], Fleet],
     *,
     min_replicas: Mapping[str, int],
     now: datetime,
@@ -146,7 +146,9 @@ def scale(
     """What to do about ``model`` now. ``replicas`` holds every model's running and draining
     replicas (eviction looks at the others); ``min_replicas`` every model's minimum. ``own``,
     when the caller has them at hand, are those of ``replicas`` that are this model's (at
-    hundreds of models, finding them in ``replicas`` for each was a tick's largest loop)."""
+    hundreds of models, finding them in ``replicas`` for each was a tick's largest loop).
+    ``fleet`` may be given as the function that builds it, called only if this model needs
+    it: to place, or to evict for."""
     own = [r for r in replicas if r.use.model == model.name] if own is None else own
     mine = [r for r in own if not r.draining]
     leaving = [r for r in mine if r.leaving]
@@ -163,6 +165,7 @@ def scale(
     placed = 0
     unplaced = ""
     if wanted > len(active):
+        fleet = fleet() if callable(fleet) else fleet
         capacity = fleet.capacity()
         why = "replacing a replica on a draining node" if leaving else "wanted by demand"
         for _ in range(wanted - len(active)):
@@ -177,6 +180,7 @@ def scale(
     if unplaced:
         actions.append(NoteUnplaceable(unplaced))
         if not active and not placed and has_waiting_demand(demand, now):
+            fleet = fleet() if callable(fleet) else fleet
             victim = _eviction(model, replicas, fleet, min_replicas, port_range)
             if victim is not None:
                 why = f"evicted (idle) to make room for {model.name}"
