@@ -60,12 +60,14 @@ FULL_RESYNC_EVERY: Final = 4
 def store_threads() -> int:
     """Threads that run the streams' store work. One by default, as Channels does it: every
     stream of the process waits on one thread. With a PostgreSQL pool, all the pool's
-    connections but the one the heartbeat writer keeps: a thousand agents reconnecting at once
-    queue behind one thread for tens of seconds, and the store has cores of its own. SQLite
-    keeps one writer anyway."""
+    connections but the two that the heartbeat writer and the credential checks keep: a
+    thousand agents reconnecting at once queue behind one thread for tens of seconds, and the
+    store has cores of its own; and a handshake must not wait for a connection behind them
+    (measured at 1,000 nodes: with every connection busy, five handshakes waited past the
+    pool's timeout and were answered "store unavailable"). SQLite keeps one writer anyway."""
     pool = connections["default"].settings_dict.get("OPTIONS", {}).get("pool")
     if isinstance(pool, dict):
-        return max(1, int(pool.get("max_size", 2)) - 1)
+        return max(1, int(pool.get("max_size", 3)) - 2)
     return 1
 
 

@@ -206,7 +206,7 @@ elif _database["ENGINE"] in {
     # costs a new server backend (measured at 1,000 nodes: handshakes timed out and nodes
     # went unreachable). The pool keeps a few connections open and bounds them: at most
     # LLMGW_DB_POOL_MAX per process (0: no pool, a connection per unit of work).
-    _pool_max = _read(env_int, "LLMGW_DB_POOL_MAX", 4, minimum=0)
+    _pool_max = _read(env_int, "LLMGW_DB_POOL_MAX", 5, minimum=0)
     if _pool_max:
         _database["OPTIONS"]["pool"] = {
             "min_size": 0,
