@@ -174,15 +174,21 @@ def read_catalog() -> tuple[dict[int, ServedModel], dict[int, Profile], dict[int
     profile built once. (``prefetch_related`` made a queryset per model and relation, and
     ``select_related`` decoded the default profile's JSON once per model: at 500 models that
     was 40% of a steady tick.)"""
+    rows_of_models = list(ServedModel.objects.order_by("pk"))
+    through = ServedModel.profiles.through.objects.values_list("servedmodel_id", "profile_id")
+    listings = list(through)
+    # Read last, so that it holds every profile the rows above name, unless one was deleted
+    # in between: what names it is left to the next tick rather than failing this one.
     profiles = Profile.objects.in_bulk()
     models: dict[int, ServedModel] = {}
-    for model in ServedModel.objects.order_by("pk"):
-        model.default_profile = profiles[model.default_profile_id]
-        models[model.pk] = model
+    for model in rows_of_models:
+        if model.default_profile_id in profiles:
+            model.default_profile = profiles[model.default_profile_id]
+            models[model.pk] = model
     listed: dict[int, list[Profile]] = defaultdict(list)
-    through = ServedModel.profiles.through.objects.values_list("servedmodel_id", "profile_id")
-    for model_id, profile_id in through:
-        listed[model_id].append(profiles[profile_id])
+    for model_id, profile_id in listings:
+        if profile_id in profiles:
+            listed[model_id].append(profiles[profile_id])
     rows: dict[int, dict[int, ProfileScale]] = defaultdict(dict)
     for row in ProfileScale.objects.all():
         rows[row.model_id][row.profile_id] = row
