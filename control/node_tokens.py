@@ -112,19 +112,14 @@ def authenticate(token: str, claimed_node: str | None) -> NodeIdentity:
 def still_valid(identity: NodeIdentity) -> bool:
     """Whether the credential a stream was opened with is still the node's (not revoked, not
     replaced by a newer one). One indexed read."""
-    rows = Node.objects.filter(pk=identity.id)
-    if identity.cert_serial:
-        rows = rows.filter(cert_serial=identity.cert_serial)
-    elif identity.token_hash:
-        rows = rows.filter(token_hash=identity.token_hash)
-    else:
-        return False
-    return rows.exists()
+    row = Node.objects.filter(pk=identity.id).values_list("token_hash", "cert_serial").first()
+    return row is not None and holds_credential(identity, *row)
 
 
 def holds_credential(identity: NodeIdentity, token_hash: str, cert_serial: str) -> bool:
-    """:func:`still_valid` on a node row already read (its ``token_hash`` and
-    ``cert_serial``): the batched resync of many streams reads their rows together."""
+    """Whether a node row (its ``token_hash`` and ``cert_serial``) still holds the credential
+    ``identity`` was proved with: :func:`still_valid`, and the streams' batched resyncs (which
+    read many rows together), decide with it."""
     if identity.cert_serial:
         return cert_serial == identity.cert_serial
     if identity.token_hash:
