@@ -597,6 +597,12 @@ class TickResult:
     # The budget ran out after this model: the next tick goes on from the one after it.
     resume_after: int | None = None
 
+    @property
+    def more_to_place(self) -> bool:
+        """It placed, and stopped on its budget with models left: a wave is being placed,
+        and the next tick should come now rather than at the next beat."""
+        return self.placed > 0 and self.resume_after is not None
+
 
 def tick(
     lead: Leadership,
@@ -976,7 +982,8 @@ def run_loop(interval: float, stop: threading.Event) -> None:
     try:
         while not stop.is_set():
             started = time.monotonic()
-            reconciler.run_once()
-            stop.wait(max(0.0, interval - (time.monotonic() - started)))
+            result = reconciler.run_once()
+            if not result.more_to_place:
+                stop.wait(max(0.0, interval - (time.monotonic() - started)))
     finally:
         reconciler.shutdown()

@@ -21,8 +21,11 @@ from control import reconciler, serving
     time_limit=settings.LLMGW_LEASE_TTL,
 )
 def reconcile() -> None:
-    """One tick, acting only if this process leads (beat sends one about every second)."""
-    reconciler.process_reconciler().run_once()
+    """One tick, acting only if this process leads (beat sends one about every second). A
+    tick that stopped on its budget while placing asks for the next one at once: a wave is
+    placed in short ticks back to back, not one short tick a second."""
+    if reconciler.process_reconciler().run_once().more_to_place:
+        serving.request_tick()
 
 
 @worker_process_shutdown.connect

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from control import gateway_counts, leases, reconciler, serving
+from control import gateway_counts, leases, reconciler, serving, tasks
 from control.desired_state import build_desired_state
 from control.models import Event, Node, ProfileScale, Replica, ServedModel, Shard
 from tests.harness.factories import gib, make_model, make_node, make_profile
@@ -78,9 +78,14 @@ def test_a_tick_past_its_budget_leaves_the_next_models_to_the_next_tick(
     third = reconciler.tick(lead, now, budget=0.0, resume_after=second.resume_after)
     assert third.placed == 1 and third.resume_after == models[2].pk
     assert all(len(running(m)) == 1 for m in models)
-    # A generous budget goes round every model and leaves nothing over.
+    # Each of those placed and stopped on its budget: the next tick is wanted at once.
+    assert first.more_to_place and second.more_to_place and third.more_to_place
+    # Out of budget with nothing placed (a steady fleet) is no reason to tick again early...
+    idle = reconciler.tick(lead, now, budget=0.0, resume_after=third.resume_after)
+    assert idle.placed == 0 and idle.resume_after is not None and not idle.more_to_place
+    # ...and a generous budget goes round every model and leaves nothing over.
     last = reconciler.tick(lead, now, budget=60.0, resume_after=third.resume_after)
-    assert (last.placed, last.resume_after) == (0, None)
+    assert (last.placed, last.resume_after, last.more_to_place) == (0, None, False)
 
 
 def test_models_take_turns_after_the_one_a_tick_stopped_at() -> None:
@@ -504,3 +509,17 @@ def test_a_profile_minimum_is_kept_and_a_dropped_profile_is_retired(
     run_tick(lead)
     assert running(model) == []
     assert model.replicas.filter(desired=Replica.Desired.DRAINING).count() == 2
+
+
+@pytest.mark.parametrize(
+    ("placed", "resume_after", "asks"), [(2, 7, True), (0, 7, False), (2, None, False)]
+)
+def test_the_tick_task_asks_for_the_next_tick_at_once_only_while_a_wave_is_placed(
+    monkeypatch: pytest.MonkeyPatch, placed: int, resume_after: int | None, asks: bool
+) -> None:
+    result = reconciler.TickResult(acted=True, placed=placed, resume_after=resume_after)
+    monkeypatch.setattr(reconciler.process_reconciler(), "run_once", lambda: result)
+    asked: list[bool] = []
+    monkeypatch.setattr(serving, "request_tick", lambda: asked.append(True))
+    tasks.reconcile()
+    assert asked == ([True] if asks else [])
