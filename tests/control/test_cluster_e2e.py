@@ -289,6 +289,11 @@ def test_paused_terminated_and_partitioned_leaders_never_write_stale(cluster: Cl
         assert lease_state() == (new_owner, new_epoch), "the returning leader stays a follower"
 
         # [C6] the lease is lost mid-tick: the tick's remaining writes change nothing.
+        # First the fleet settles: during the partition the agent's stream (on the cut-off
+        # host) wrote no heartbeat, and on a loaded machine the node may have been declared
+        # lost and its replicas replaced; a replacement placed after ``last_id`` below would
+        # look like a stale write.
+        wait_ready(cluster, "m", 2)
         more = "UPDATE control_servedmodel SET min_replicas = 3, max_replicas = 3 WHERE name='m'"
         for _attempt in range(10):
             leader = wait_leader(cluster)

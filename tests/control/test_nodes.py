@@ -792,7 +792,15 @@ async def _closed_with(comm: WebsocketCommunicator) -> tuple[int, str]:
 
 
 @committed
-async def test_hello_is_answered_with_welcome_and_the_full_desired_state(token: str) -> None:
+async def test_hello_is_answered_with_welcome_and_the_full_desired_state(
+    token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hops: list[str] = []
+
+    async def close_old_connections() -> None:
+        hops.append("a hop to the sync thread")
+
+    monkeypatch.setattr("channels.consumer.aclose_old_connections", close_old_connections)
     node = await Node.objects.aget(name="n1")
     shard = await database_sync_to_async(shard_on)(node)
     comm = communicator(token)
@@ -813,6 +821,9 @@ async def test_hello_is_answered_with_welcome_and_the_full_desired_state(token: 
     assert desired.revision == 1  # type: ignore[union-attr]
     assert (await Shard.objects.aget(pk=shard.pk)).observed == "ready"
     await comm.disconnect()
+    # Frames and nudges reached the session without Channels' per-message hop to the one sync
+    # thread: the stream's store work runs on the session's own executors.
+    assert hops == []
 
 
 def _set_desired(replica_id: int, desired: str, node_id: int) -> None:
