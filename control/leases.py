@@ -67,6 +67,13 @@ WHERE name = %s AND owner = %s AND epoch = %s AND epoch < %s
   AND expires_at_ms > llmgw_clock_ms()
 """
 
+# PostgreSQL only, inside the fence's transaction: a holder that stops between two statements
+# (SIGSTOP, a stalled VM, a debugger) keeps the lease row locked, and every standby's claim
+# would wait on that lock for as long as the holder is frozen, however long ago its lease
+# expired. The server ends such a session once it has sat idle in the transaction for a TTL:
+# its writes roll back, the lock goes, and the standby's claim goes through.
+IDLE_LIMIT_SQL = "SELECT set_config('idle_in_transaction_session_timeout', %s, true)"
+
 READ_SQL = """
 SELECT owner, epoch, expires_at_ms, llmgw_clock_ms() FROM control_lease WHERE name = %s
 """
@@ -264,7 +271,8 @@ def fenced(leadership: Leadership, *, clock: Clock = time.monotonic) -> Iterator
 
     Raises :class:`LeadershipLost` before the block when the claim is past its deadline or the
     row shows another owner or epoch; the whole transaction (the block's writes included) is then
-    rolled back.
+    rolled back. On PostgreSQL a block that sits idle for a lease TTL (its process frozen) is
+    ended by the server, so a frozen holder cannot keep a standby from taking over.
     """
     if not leadership.may_act(clock):
         raise LeadershipLost(
@@ -272,6 +280,8 @@ def fenced(leadership: Leadership, *, clock: Clock = time.monotonic) -> Iterator
         )
     with transaction.atomic():
         with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute(IDLE_LIMIT_SQL, [str(int(settings.LLMGW_LEASE_TTL * 1000))])
             cursor.execute(FENCE_SQL, [leadership.name, leadership.owner, leadership.epoch])
             if cursor.rowcount != 1:
                 raise LeadershipLost(

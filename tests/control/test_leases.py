@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
 
 from control import leases
 from control.models import Event
@@ -209,6 +209,36 @@ def test_a_takeover_waits_for_the_fenced_block_in_flight() -> None:
     thread.join(10)
     assert results["b"].is_leader and results["b"].epoch == 2
     assert Event.objects.filter(message="in flight").count() == 1
+
+
+def test_a_holder_frozen_inside_a_fence_is_cut_off_after_one_ttl(settings: Any) -> None:
+    """A holder stopped mid-transaction (SIGSTOP, a stalled VM) would hold the lease row lock
+    for as long as it is stopped, and a standby's claim would wait behind it for ever. The
+    server ends the frozen session after a TTL of idling: the standby leads and nothing the
+    frozen block wrote is kept."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite has no server to end a session: one process holds its file lock")
+    settings.LLMGW_LEASE_TTL = 1.0
+    held = leases.claim(owner="a", ttl=1.0, renew_deadline=0.6)
+    results: dict[str, Any] = {}
+
+    def take_over() -> None:
+        results["b"] = leases.claim(owner="b", ttl=60)
+        connection.close()
+
+    thread = threading.Thread(target=take_over)
+    with pytest.raises(DatabaseError):
+        with leases.fenced(held):
+            write_event("written while frozen")
+            thread.start()
+            # Frozen: the holder sends nothing until the standby has its answer (or the
+            # generous timeout says the standby is stuck behind the lock).
+            thread.join(60)
+            assert not thread.is_alive(), "the standby's claim waited on the frozen holder"
+            write_event("written after thawing")  # the session is gone
+    connection.close()
+    assert results["b"].is_leader and results["b"].epoch == 2
+    assert not Event.objects.filter(message__startswith="written").exists()
 
 
 def test_a_restarted_control_plane_takes_a_released_lease_at_once() -> None:
