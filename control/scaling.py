@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import cached_property
 
 from control.lifecycle import (
     ModelDemand,
@@ -42,10 +43,23 @@ class Fleet:
 
     nodes: tuple[NodeCapacity, ...]
     holdings: tuple[Holding, ...] = ()
+    # capacity() with nothing ignored, when already known: see holding().
+    known_free: tuple[NodeCapacity, ...] | None = field(default=None, compare=False, repr=False)
 
     def capacity(self, ignoring: frozenset[int] = frozenset()) -> list[NodeCapacity]:
         """What each node can still take; replicas in ``ignoring`` count as gone (to ask
         "would evicting this one make room?")."""
+        if not ignoring:
+            return list(self._free)
+        return self._capacity(ignoring)
+
+    @cached_property
+    def _free(self) -> tuple[NodeCapacity, ...]:
+        if self.known_free is not None:
+            return self.known_free
+        return tuple(self._capacity(frozenset()))
+
+    def _capacity(self, ignoring: frozenset[int]) -> list[NodeCapacity]:
         gpus: dict[str, set[int]] = defaultdict(set)
         ports: dict[str, set[int]] = defaultdict(set)
         for held in self.holdings:
@@ -66,9 +80,13 @@ class Fleet:
         ]
 
     def holding(self, replica_id: int, where: Placement) -> Fleet:
-        """The fleet once a new replica holds what ``where`` gave it."""
+        """The fleet once a new replica holds what ``where`` gave it. Its capacity is this
+        one's less what ``where`` takes, not a new pass over every holding: a wave places
+        hundreds of replicas in a tick, each on a fleet one placement larger."""
         new = tuple(Holding(replica_id, s.node, s.gpu_indices, s.port) for s in where.shards)
-        return replace(self, holdings=self.holdings + new)
+        return replace(
+            self, holdings=self.holdings + new, known_free=tuple(reserve(self._free, where))
+        )
 
 
 @dataclass(frozen=True)

@@ -227,15 +227,14 @@ def test_a_holder_frozen_inside_a_fence_is_cut_off_after_one_ttl(settings: Any) 
         connection.close()
 
     thread = threading.Thread(target=take_over)
-    with pytest.raises(DatabaseError):
-        with leases.fenced(held):
-            write_event("written while frozen")
-            thread.start()
-            # Frozen: the holder sends nothing until the standby has its answer (or the
-            # generous timeout says the standby is stuck behind the lock).
-            thread.join(60)
-            assert not thread.is_alive(), "the standby's claim waited on the frozen holder"
-            write_event("written after thawing")  # the session is gone
+    with pytest.raises(DatabaseError), leases.fenced(held):
+        write_event("written while frozen")
+        thread.start()
+        # Frozen: the holder sends nothing until the standby has its answer (or the
+        # generous timeout says the standby is stuck behind the lock).
+        thread.join(60)
+        assert not thread.is_alive(), "the standby's claim waited on the frozen holder"
+        write_event("written after thawing")  # the session is gone
     connection.close()
     assert results["b"].is_leader and results["b"].epoch == 2
     assert not Event.objects.filter(message__startswith="written").exists()

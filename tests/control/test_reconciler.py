@@ -97,6 +97,26 @@ def test_models_take_turns_after_the_one_a_tick_stopped_at() -> None:
     assert [m.pk for m in turn(models, 4)] == [5, 9, 1, 3]
 
 
+def test_nodes_are_placed_on_by_their_labels_and_malformed_json_columns_read_as_empty(
+    lead: leases.Leadership,
+) -> None:
+    """The tick reads nodes' JSON columns as text and decodes them only where it needs them.
+    Values of the wrong shape (whatever wrote them) read as empty: that node has no labels
+    and no weights, and the tick places as usual."""
+    make_node("odd", labels=["not", "a", "mapping"], weights_report={"not": "a list"})
+    Node.objects.filter(name="odd").update(remove_weights="org/x")
+    labelled = make_node("pool-a", labels={"pool": "a"})
+    make_node("plain")
+    picky = make_model("picky", min_replicas=1, max_replicas=1)
+    picky.default_profile.gpu_selector = {"pool": "a"}
+    picky.default_profile.save()
+    anywhere = make_model("anywhere", min_replicas=2, max_replicas=2)
+    assert run_tick(lead).placed == 3
+    assert [s.node_id for s in Shard.objects.filter(replica__model=picky)] == [labelled.pk]
+    assert Shard.objects.filter(replica__model=anywhere).count() == 2
+    assert Node.objects.get(name="odd").remove_weights == "org/x", "not a list: left alone"
+
+
 def test_a_cold_model_gets_a_replica_only_when_a_request_waits(lead: leases.Leadership) -> None:
     make_node("a", gpus=gib(80))
     model = make_model("cold")

@@ -179,6 +179,25 @@ def test_the_fleet_frees_what_an_ignored_replica_holds_and_takes_what_a_new_one_
     assert taken.free_gpus == () and taken.used_ports == {20000, 20001}
 
 
+def test_a_fleet_grown_placement_by_placement_has_the_capacity_of_one_read_whole() -> None:
+    """holding() carries the capacity forward instead of recomputing it from every holding:
+    after a run of placements (two on one node, one of them a two-shard replica) it must be
+    what a fleet built from the same holdings computes, and ignoring a replica still works."""
+    grown = Fleet((node("a", 4), node("b", 4), node("c", 1)), (holds(1, "a", gpu=0),))
+    assert grown.capacity()  # computed now, before the placements below
+    two_shards = Placement(
+        (ShardPlacement("a", 0, (1, 2), 20001), ShardPlacement("b", 1, (0, 1), 20000))
+    )
+    for replica_id, where in [(2, on("c")), (3, two_shards), (4, on("b", 3, 20001))]:
+        grown = grown.holding(replica_id, where)
+    whole = Fleet(grown.nodes, grown.holdings)
+    assert grown.capacity() == whole.capacity()
+    assert [[g.index for g in n.free_gpus] for n in grown.capacity()] == [[3], [2], []]
+    for replica_id in (1, 3):
+        ignoring = frozenset({replica_id})
+        assert grown.capacity(ignoring) == whole.capacity(ignoring)
+
+
 def test_placing_stops_at_the_first_replica_that_does_not_fit() -> None:
     actions = decide(model(min_replicas=3), [], Fleet((node("a", 2),)))
     assert actions == [
