@@ -452,9 +452,30 @@ def create_model(request: HttpRequest, payload: ModelIn) -> Any:
 
 @catalog_router.patch("/models/{name}", response=ModelOut)
 def update_model(request: HttpRequest, name: str, payload: ModelPatch) -> Any:
+    """Change a model's entry. Its replica counts and its pin are operator changes of their
+    own, recorded with who made them: they go through the functions of ``…/scale`` and
+    ``…/pin`` (and the admin's, and ``manage.py scale_model``/``pin_model``). All or nothing."""
     model = _model(name)
-    entry = {"name": name, "default_profile": model.default_profile.name}
-    _import_one("models", {**entry, **payload.dict(exclude_unset=True)})
+    changes = payload.dict(exclude_unset=True)
+    minimum, maximum = changes.pop("min_replicas", None), changes.pop("max_replicas", None)
+    pinned = changes.pop("pinned", None)
+    actor = caller(request).actor
+    with transaction.atomic():
+        if changes:
+            entry = {"name": name, "default_profile": model.default_profile.name}
+            _import_one("models", {**entry, **changes})
+        if minimum is not None or maximum is not None:
+            try:
+                operations.scale_model(
+                    model.pk,
+                    min_replicas=model.min_replicas if minimum is None else minimum,
+                    max_replicas=model.max_replicas if maximum is None else maximum,
+                    actor=actor,
+                )
+            except operations.Invalid as exc:
+                raise ApiError(422, "invalid", exc.message, exc.field) from None
+        if pinned is not None:
+            operations.pin_model(model.pk, pinned=pinned, actor=actor)
     return _model_out(_models().get(name=name))
 
 

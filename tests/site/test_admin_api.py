@@ -310,6 +310,19 @@ def test_scale_and_pin_record_who_did_it(api: Api) -> None:
     assert api.call("POST", "/models/nope/pin", {"pinned": True})[0] == 404
 
 
+def test_an_entry_update_that_scales_badly_changes_nothing(api: Api) -> None:
+    """The scale part of an entry update is checked like ``…/scale``; a refusal there leaves
+    the rest of the update undone too."""
+    make_model("llama3", max_replicas=2)
+    status, body = api.call(
+        "PATCH", "/models/llama3", {"aliases": ["l3"], "min_replicas": 3, "pinned": True}
+    )
+    assert status == 422 and body["error"]["field"] == "min_replicas", body
+    model = ServedModel.objects.get(name="llama3")
+    assert (model.aliases, model.min_replicas, model.pinned) == ([], 0, False)
+    assert not Event.objects.filter(subject="model/llama3").exists()
+
+
 # --------------------------------------------------------------------------- the fleet
 
 

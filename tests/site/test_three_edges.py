@@ -576,6 +576,18 @@ CHANGES: dict[str, tuple[Edge | None, Edge, Edge]] = {
         lambda w: command("pin_model", "llama3"),
         lambda w: api_call(w, "post", "/models/llama3/pin", {"pinned": True}),
     ),
+    # The same two changes as a model's fields in the API's update of the whole entry: still
+    # the operator's change (the Event, who made it), not a silent row update.
+    "scale through the entry": (
+        scale_form,
+        lambda w: command("scale_model", "llama3", "--min", "1", "--max", "3"),
+        lambda w: api_call(w, "patch", "/models/llama3", {"min_replicas": 1, "max_replicas": 3}),
+    ),
+    "pin through the entry": (
+        lambda w: admin_action(w, "control/servedmodel", "pin", w.ids["model"]),
+        lambda w: command("pin_model", "llama3"),
+        lambda w: api_call(w, "patch", "/models/llama3", {"pinned": True, "idle_timeout_s": 900}),
+    ),
     "delete model": (
         lambda w: w.admin.post(
             "/admin/control/servedmodel/",
