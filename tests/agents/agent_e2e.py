@@ -817,6 +817,12 @@ def test_the_llamacpp_recipe_serves_a_real_model(fleet: Cluster) -> None:
     )
     assert len(chunks) >= 6
     assert chunks[-1].choices[0].finish_reason == "length"
+    # The real engine, like sim, refuses whoever lacks the replica's key.
+    for wrong in ("x", engine_key(shard.port)[:-1]):
+        with pytest.raises(openai.AuthenticationError):
+            engine_client(shard.port, key=wrong).chat.completions.create(
+                model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
 
 
 def test_generation_bump_restarts_a_failed_shard(fleet: Cluster) -> None:

@@ -32,6 +32,23 @@ def test_an_operator_may_allow_a_link_local_endpoint_on_purpose() -> None:
     assert route is not None and route.upstreams[0].base_url == "http://169.254.10.10:8000"
 
 
+def test_each_upstream_carries_the_addresses_its_connections_may_reach() -> None:
+    """Checked again at connect time (a name may resolve anywhere): an Endpoint row only to
+    public addresses, one the operator allowed anywhere, a replica only to node addresses."""
+    Endpoint(slug="public", url="http://10.0.0.1:8000", model_names=["e"]).save()
+    Endpoint(
+        slug="allowed", url="http://10.0.0.2:8000", model_names=["a"], allow_private_address=True
+    ).save()
+    serve_model("r", [8001])
+    table = load_table()
+    policies = {
+        name: [u.addresses for u in route.upstreams]
+        for name in ("e", "a", "r")
+        if (route := table.resolve(name)) is not None
+    }
+    assert policies == {"e": ["public"], "a": ["any"], "r": ["node"]}
+
+
 def test_a_row_written_around_the_check_is_still_not_routed() -> None:
     Endpoint(slug="sneaky", url="http://10.0.0.1:8000", model_names=["m"]).save()
     Endpoint.objects.filter(slug="sneaky").update(url="http://169.254.169.254/")
