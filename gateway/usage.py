@@ -60,7 +60,7 @@ from django.db import (
 from django.utils import timezone
 
 from control import serving
-from gateway import dbthread
+from gateway import dbthread, traffic
 from gateway.models import ApiKey, UsageRecord
 from gateway.payload import clamp_count
 from llmgw_site import metrics
@@ -366,6 +366,8 @@ def _replay(path: Path, directory: Path) -> int:
         rows = read_journal(path)
         store_rows(rows, directory)
         path.unlink()
+        if rows:
+            traffic.forget_settled()
         logger.info("replayed %d usage rows from %s", len(rows), path.name)
         return len(rows)
     finally:

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 from django.core.cache import cache
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from control import dashboard, leases
@@ -221,3 +223,15 @@ def test_minutes_that_are_over_are_aggregated_once_and_the_current_one_each_poll
         second["models"]["llama3"]["requests_per_s"][-6]
         == first["models"]["llama3"]["requests_per_s"][-6]
     )
+    # The window moves on: only the minute that ended is aggregated (its one row), not the
+    # hour again; a row written late into a minute already aggregated shows once the
+    # dashboard is told to forget (a journal replayed), not before.
+    later = now + timedelta(minutes=1)
+    make_usage(model="llama3", api_key=key, started_at=now - timedelta(minutes=5))
+    with CaptureQueriesContext(connection) as queries:
+        third = gateway_traffic.traffic(later)
+    assert len(queries) == 2
+    assert third["models"]["llama3"]["requests_per_s"][-7] == pytest.approx(1 / 60, abs=1e-3)
+    gateway_traffic.forget_settled()
+    fourth = gateway_traffic.traffic(later)
+    assert fourth["models"]["llama3"]["requests_per_s"][-7] == pytest.approx(2 / 60, abs=1e-3)
