@@ -116,9 +116,18 @@ def restart_delay(restarts: int) -> float:
 class Supervisor:
     """Keeps a set of children running until asked to stop; SIGHUP rolls the web processes."""
 
-    def __init__(self, children: Sequence[Child], *, stop_grace: float) -> None:
+    def __init__(
+        self,
+        children: Sequence[Child],
+        *,
+        stop_grace: float,
+        listeners: Sequence[socket.socket] = (),
+    ) -> None:
         self.children = list(children)
         self.stop_grace = stop_grace
+        # The sockets the web processes accept on: this process keeps them for the web
+        # processes a roll starts, and closes them when the whole tier stops.
+        self.listeners = list(listeners)
         self.stopping = False
         self.roll_requested = False
         # Replaced web processes still finishing their requests: (process, kill deadline).
@@ -209,6 +218,12 @@ class Supervisor:
         running += [process for process, _ in self.draining if process.poll() is None]
         for process in running:
             process.send_signal(signal.SIGTERM)
+        # The web processes close theirs as they begin to drain; while this copy stayed open,
+        # the kernel went on completing new connections into a backlog nobody would accept
+        # from, and clients hung until this process exited instead of being refused at once
+        # (so that a balancer moves away).
+        for listener in self.listeners:
+            listener.close()
         wait = self.stop_grace + STOP_MARGIN_SECONDS
         deadline = time.monotonic() + wait
         for process in running:

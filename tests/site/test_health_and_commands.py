@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from django.core.management import call_command
 from django.test import AsyncClient
 
 from control import leases
-from tests.harness.procs import REPO_ROOT, Proc, alive, free_port, port_window
+from tests.harness.live import start_sim
+from tests.harness.procs import REPO_ROOT, Proc, alive, free_port, port_open, port_window
 from tests.harness.store import process_env
 from tests.harness.waits import wait_until
 
@@ -135,3 +139,60 @@ def test_run_starts_every_process_on_one_port_and_stops_them_all(tmp_path: Any) 
         second.signal(signal.SIGINT)
         second.wait(120)
     assert "admin user:    admin (its password was shown when it was created)" in second.log()
+
+
+def test_stopping_run_refuses_new_connections_at_once_and_finishes_the_streams_in_flight(
+    tmp_path: Any,
+) -> None:
+    """SIGTERM to `manage.py run` (a deploy's stop): the client port refuses new connections
+    while the streams already in flight go on, so a balancer moves away at once; then every
+    one of those streams ends whole and run exits 0."""
+    sim = start_sim(tmp_path / "engines", ["steady"])
+    port = free_port()
+    env = process_env(
+        LLMGW_VAR_DIR=str(tmp_path / "var"),
+        LLMGW_WEB_PROCESSES="2",
+        LLMGW_STATIC_ENDPOINTS=f"e1=http://127.0.0.1:{sim.port}=steady",
+        LLMGW_SHUTDOWN_GRACE="60",
+    )
+    env["DATABASE_URL"] = f"sqlite:///{tmp_path / 'run.sqlite3'}"
+    env.pop("REDIS_URL", None)
+    argv = [sys.executable, "manage.py", "run", "--no-agent", "--port", str(port)]
+    run = Proc("run", argv, tmp_path / "logs", env, port=port).start()
+    try:
+        found = wait_until(
+            lambda: port_open(port) and re.search(r"API key:\s+(\S+)", run.log()),
+            what="run serving",
+            logs=[run],
+        )
+        key = found.group(1)
+        client = openai.OpenAI(base_url=f"{run.url}/v1", api_key=key, max_retries=0)
+        wait_until(lambda: "steady" in [m.id for m in client.models.list().data], what="routed")
+        streams = openai.AsyncOpenAI(base_url=f"{run.url}/v1", api_key=key, max_retries=0)
+
+        async def one() -> int:
+            stream = await streams.chat.completions.create(
+                model="steady",
+                messages=[{"role": "user", "content": "go"}],
+                max_tokens=40,
+                stream=True,
+                extra_body={"sim": {"itl_ms": 250, "ttft_ms": 5}},
+            )
+            return sum([1 async for c in stream if c.choices and c.choices[0].delta.content])
+
+        async def scenario() -> tuple[list[int], int]:
+            tasks = [asyncio.create_task(one()) for _ in range(4)]
+            await asyncio.sleep(1.0)  # every stream under way (each lasts about 10 s)
+            run.signal(signal.SIGTERM)
+            while await asyncio.to_thread(port_open, port) and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.05)
+            in_flight = sum(not t.done() for t in tasks)
+            return list(await asyncio.gather(*tasks)), in_flight
+
+        events, in_flight = asyncio.run(scenario())
+        assert in_flight > 0, "refusal came only once every stream had ended"
+        assert events == [40] * 4
+        assert run.wait(120) == 0, run.tail()
+    finally:
+        run.stop(120)
+        sim.stop()

@@ -334,4 +334,6 @@ class Command(BaseCommand):
             f"`kill -HUP {os.getpid()}` restarts the web processes one at a time."
         )
         self.stdout.flush()
-        launcher.Supervisor(children, stop_grace=settings.LLMGW_SHUTDOWN_GRACE).run()
+        launcher.Supervisor(
+            children, stop_grace=settings.LLMGW_SHUTDOWN_GRACE, listeners=list(sockets.values())
+        ).run()
