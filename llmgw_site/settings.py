@@ -295,7 +295,7 @@ LLMGW_RECONCILE_INTERVAL: float = _read(env_float, "LLMGW_RECONCILE_INTERVAL", 1
 # the next tick: a wave of activations is placed over several short ticks, back to back, so
 # the leader keeps renewing its lease and noticing failures meanwhile.
 LLMGW_RECONCILE_TICK_BUDGET: float = _read(
-    env_float, "LLMGW_RECONCILE_TICK_BUDGET", LLMGW_RECONCILE_INTERVAL * 0.2, minimum=0.05
+    env_float, "LLMGW_RECONCILE_TICK_BUDGET", LLMGW_RECONCILE_INTERVAL * 0.15, minimum=0.05
 )
 LLMGW_BACKOFF_BASE: float = _read(env_float, "LLMGW_BACKOFF_BASE", 2.0, minimum=0.1)
 LLMGW_BACKOFF_MAX: float = _read(env_float, "LLMGW_BACKOFF_MAX", 300.0, minimum=0.1)
