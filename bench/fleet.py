@@ -354,7 +354,6 @@ def started(options: Options) -> Iterator[Rig]:
             DATABASE_URL=options.database_url,
             REDIS_URL=redis.url,
             SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
-            LLMGW_LEADER_ELECTION="true",
             LLMGW_PORT_RANGE="20000-20999",
             LLMGW_LOG_LEVEL="WARNING",
             **options.settings,
