@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+import redis as redis_sync
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
@@ -109,18 +110,26 @@ def counters_for(key: KeyInfo, tokens: int, now: float) -> tuple[Counter, ...]:
                 )
             )
         if scope.token_budget is not None:
-            start, end = period_bounds(scope.budget_period, now)
             counters.append(
-                Counter(
-                    f"budget:{scope.name}:{int(start)}",
-                    "budget",
+                budget_counter(
+                    scope.name,
                     scope.token_budget,
+                    scope.budget_period,
                     tokens,
-                    end,
-                    scope.owner,
+                    now,
+                    owner=scope.owner,
                 )
             )
     return tuple(counters)
+
+
+def budget_counter(
+    scope: str, limit: int, period: str, amount: int, now: float, *, owner: str = "this key"
+) -> Counter:
+    """The budget counter of ``scope`` ("key:PREFIX", "user:ID", "team:ID") for the period
+    containing ``now`` (pure): what requests take from, and what a refresh puts right."""
+    start, end = period_bounds(period, now)
+    return Counter(f"budget:{scope}:{int(start)}", "budget", limit, amount, end, owner)
 
 
 @dataclass(frozen=True)
@@ -310,6 +319,50 @@ def purge_expired(now: float) -> int:
     with connection.cursor() as cursor:
         cursor.execute(_PURGE_SQL, [now - 60])
         return int(cursor.rowcount)
+
+
+# KEYS: counter names. ARGV: floor, ttl for each key in turn. Raises, never lowers: a
+# counter also holds the reservations of requests still running.
+_RAISE_LUA = """
+local raised = 0
+for i = 1, #KEYS do
+  local used = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if used < tonumber(ARGV[2 * i - 1]) then
+    redis.call('SET', KEYS[i], ARGV[2 * i - 1], 'EX', ARGV[2 * i])
+    raised = raised + 1
+  end
+end
+return raised
+"""
+_RAISE_SQL = """
+INSERT INTO gateway_limitcounter (name, used, window_end) VALUES (%s, %s, %s)
+ON CONFLICT (name) DO UPDATE SET used = excluded.used
+WHERE gateway_limitcounter.used < excluded.used
+"""
+
+
+def raise_counters(counters: Sequence[Counter]) -> int:
+    """Lift each counter to at least its ``amount`` (what the records say was spent), in the
+    store requests take from; returns how many were below. Synchronous: for the beat task."""
+    if not counters:
+        return 0
+    if settings.REDIS_URL:
+        client: Any = redis_sync.Redis.from_url(settings.REDIS_URL)
+        try:
+            now = time.time()
+            args: list[int] = []
+            for c in counters:
+                args += [c.amount, max(1, int(c.window_end - now) + 60)]
+            script = client.register_script(_RAISE_LUA)
+            return int(script(keys=[f"llmgw:{c.name}" for c in counters], args=args))
+        finally:
+            client.close()
+    raised = 0
+    with transaction.atomic(), connection.cursor() as cursor:
+        for c in counters:
+            cursor.execute(_RAISE_SQL, [c.name, c.amount, c.window_end])
+            raised += cursor.rowcount
+    return raised
 
 
 class DatabaseStore:

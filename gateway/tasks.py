@@ -8,11 +8,12 @@ from celery import shared_task
 from django.conf import settings
 
 from control import serving
-from gateway import rollups
+from gateway import budgets, rollups
 
 logger = logging.getLogger(__name__)
 
 ROLL_UP_TASK = "gateway.tasks.roll_up_usage"
+BUDGET_TASK = "gateway.tasks.refresh_budgets"
 
 
 @shared_task(
@@ -34,3 +35,20 @@ def roll_up_usage() -> None:
         run.rollups,
         run.deleted,
     )
+
+
+@shared_task(
+    name=BUDGET_TASK,
+    ignore_result=True,
+    soft_time_limit=settings.LLMGW_BUDGET_REFRESH_INTERVAL * 0.9,
+    time_limit=settings.LLMGW_BUDGET_REFRESH_INTERVAL,
+)
+def refresh_budgets() -> int:
+    """Lift budget counters to the spend the records show, on the leader only."""
+    if not serving.this_process_leads():
+        logger.debug("budget refresh: not the leader")
+        return 0
+    raised = budgets.refresh()
+    if raised:
+        logger.warning("budget refresh: %d counter(s) were below the recorded spend", raised)
+    return raised

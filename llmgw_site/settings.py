@@ -374,6 +374,11 @@ LLMGW_USAGE_RETENTION_DAYS: int = _read(env_int, "LLMGW_USAGE_RETENTION_DAYS", 9
 LLMGW_USAGE_ROLLUP_INTERVAL: float = _read(
     env_float, "LLMGW_USAGE_ROLLUP_INTERVAL", 300.0, minimum=1.0
 )
+# How often the leader lifts budget counters to what the usage records say was spent: a counter
+# lost (a Redis restarted without persistence) would otherwise start its period at zero.
+LLMGW_BUDGET_REFRESH_INTERVAL: float = _read(
+    env_float, "LLMGW_BUDGET_REFRESH_INTERVAL", 60.0, minimum=1.0
+)
 LLMGW_USAGE_JOURNAL_DIR = Path(env_str(ENV, "LLMGW_USAGE_JOURNAL_DIR", str(VAR_DIR / "usage")))
 # SSE comments sent to a stream while it waits for a cold model, so proxies keep it open.
 LLMGW_KEEPALIVE_INTERVAL: float = _read(env_float, "LLMGW_KEEPALIVE_INTERVAL", 5.0, minimum=0.05)
@@ -428,6 +433,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "gateway.tasks.roll_up_usage",
         "schedule": LLMGW_USAGE_ROLLUP_INTERVAL,
         "options": {"expires": LLMGW_USAGE_ROLLUP_INTERVAL * 0.9},
+    },
+    # Leader-gated; lifts counters only, so a repeat is harmless (gateway.budgets).
+    "budget-refresh": {
+        "task": "gateway.tasks.refresh_budgets",
+        "schedule": LLMGW_BUDGET_REFRESH_INTERVAL,
+        "options": {"expires": LLMGW_BUDGET_REFRESH_INTERVAL * 0.9},
     },
 }
 
