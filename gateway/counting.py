@@ -10,8 +10,9 @@ it relayed, and when a request ends without usage it is counted here:
   (remembered for ``DIALECT_TTL_S``): vLLM and SGLang's ``POST /tokenize`` (``prompt`` or chat
   ``messages``, so the chat template is counted too; the ``sim`` engine serves it the same
   way), llama.cpp's ``POST /tokenize`` (``content``), and llama-cpp-python's
-  ``POST /extras/tokenize/count`` (``input``). Where a dialect takes no messages, the prompt
-  is the messages' text joined by newlines.
+  ``POST /extras/tokenize/count`` (``input``), whose chat prompts are counted by the engine
+  itself (a one-token completion of the same messages: its tokenizer knows no chat template).
+  Where a dialect takes no messages, the prompt is the messages' text joined by newlines.
 - ``estimated`` when no tokenizer answers (within ``TOKENIZE_TIMEOUT_S``): a prompt costs one
   token per 4 bytes of UTF-8 text (rounded up) plus 4 per chat message (role and template
   tokens), and a completion one token per content event relayed (engines stream one token per
@@ -209,18 +210,27 @@ _baselines: dict[str, int] = {}
 class Tokenizer:
     """An upstream's tokenize endpoint, in whichever dialect it speaks."""
 
-    def __init__(self, pool: Pool, base_url: str, model: str) -> None:
+    def __init__(
+        self, pool: Pool, base_url: str, model: str, *, key: str = "", addresses: str = "any"
+    ) -> None:
         self.pool = pool
         self.base_url = base_url
         self.model = model
+        # As the relay calls the upstream: with the engine's key (llama-cpp-python guards its
+        # tokenize endpoints with it), and only at the addresses the upstream may resolve to.
+        self.headers = _HEADERS + (
+            b"Authorization: Bearer " + key.encode() + b"\r\n" if key else b""
+        )
+        self.addresses = addresses
 
     async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         response = await self.pool.post(
             self.base_url,
             path,
             json.dumps(body, ensure_ascii=False).encode(),
-            _HEADERS,
+            self.headers,
             connect_timeout=TOKENIZE_TIMEOUT_S,
+            addresses=self.addresses,
         )
         raw = await response.read()
         response.release()
@@ -255,7 +265,23 @@ class Tokenizer:
             status, answer = await self._post("/tokenize", {"content": text})
             return self._count(answer) if status == 200 else None
         status, answer = await self._post("/extras/tokenize/count", {"input": text})
-        return self._count(answer) if status == 200 else None
+        count = self._count(answer) if status == 200 else None
+        if count is None or messages is None:
+            return count
+        return await self._chat_prompt_tokens(messages) or count
+
+    async def _chat_prompt_tokens(self, messages: list[Any]) -> int | None:
+        """llama-cpp-python's tokenize endpoint takes plain text, without the chat template
+        (for the tests' model "hello there" is 4 tokens, the chat around it 43): the count of
+        a chat prompt comes from the engine itself, a one-token completion of the same
+        messages, whose prompt it has just evaluated and mostly holds in its prefix cache."""
+        body = {"model": self.model, "messages": messages, "max_tokens": 1, "stream": False}
+        status, answer = await self._post("/v1/chat/completions", body)
+        usage = answer.get("usage") if status == 200 and isinstance(answer, dict) else None
+        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+            return payload.clamp_count(tokens)
+        return None
 
     async def _baseline(self, dialect: str) -> int:
         """Tokens the endpoint adds to any text (llama-cpp-python always adds BOS), taken off a
@@ -284,7 +310,7 @@ class Tokenizer:
             try:
                 async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
                     count = await self._ask(
-                        dialect, text=text, messages=messages if dialect == VLLM else None
+                        dialect, text=text, messages=None if dialect == LLAMACPP else messages
                     )
                     if count is not None and completion:
                         count = max(0, count - await self._baseline(dialect))

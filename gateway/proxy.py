@@ -219,7 +219,13 @@ class Exchange:
         self, upstream: routing.Upstream, completions: list[str], relayed_events: int | None
     ) -> counting.Counted:
         assert self.route is not None
-        tokenizer = counting.Tokenizer(pool(), upstream.base_url, self.route.name)
+        tokenizer = counting.Tokenizer(
+            pool(),
+            upstream.base_url,
+            self.route.name,
+            key=upstream.key,
+            addresses=upstream.addresses,
+        )
         return await counting.count(tokenizer, self.prompt(), completions, relayed_events)
 
 

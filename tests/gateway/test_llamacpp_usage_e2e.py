@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from aiohttp import web
 
+from control.models import Replica
 from tests.agents.agent_e2e import write_tiny_llama
 from tests.harness.factories import make_key, serve_model
 from tests.harness.live import http, start_web, stop_checked, wait_for_rows
@@ -23,6 +26,10 @@ from tests.harness.procs import PYTHON, Proc, free_port
 from tests.harness.waits import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llamacpp, pytest.mark.django_db(transaction=True)]
+
+
+# The engine's own key, as the agent starts it (API_KEY): only the gateway holds it.
+ENGINE_KEY = "engine-key-of-the-tiny-replica"
 
 
 @pytest.fixture
@@ -34,21 +41,42 @@ def llamacpp(tmp_path: Path) -> Iterator[Proc]:
         PYTHON, "-m", "llama_cpp.server", "--host", "127.0.0.1", "--port", str(port),
         "--model", str(model), "--model_alias", "tiny", "--n_ctx", "256",
     ]  # fmt: skip
-    engine = Proc(f"llamacpp-{port}", argv, tmp_path, port=port).start()
+    env = {**os.environ, "API_KEY": ENGINE_KEY}
+    engine = Proc(f"llamacpp-{port}", argv, tmp_path, env, port=port).start()
     try:
-        engine.wait_answering("/v1/models", timeout=120)
+        wait_until(lambda: engine_call(engine, "GET", "/v1/models")[0] == 200, logs=[engine])
         yield engine
     finally:
         engine.stop()
 
 
+def engine_call(engine: Proc, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        status, _, raw = http(method, engine.url + path, key=ENGINE_KEY, body=data)
+    except OSError:
+        return 0, None
+    return status, json.loads(raw) if status == 200 else raw
+
+
+def serve_tiny(port: int) -> None:
+    served = serve_model("tiny", [port])
+    Replica.objects.filter(pk=served.replicas[0].pk).update(engine_key=ENGINE_KEY)
+
+
 def tokenize(engine: Proc, text: str) -> int:
-    """llama.cpp's own count (llama-cpp-python's endpoint), BOS included."""
-    status, _, raw = http(
-        "POST", engine.url + "/extras/tokenize/count", body=json.dumps({"input": text}).encode()
-    )
-    assert status == 200, raw
-    return int(json.loads(raw)["count"])
+    """llama.cpp's own count of plain text (llama-cpp-python's endpoint), BOS included."""
+    status, answer = engine_call(engine, "POST", "/extras/tokenize/count", {"input": text})
+    assert status == 200, answer
+    return int(answer["count"])
+
+
+def chat_prompt_tokens(engine: Proc, messages: list[dict[str, str]]) -> int:
+    """What the engine itself counts for a chat prompt (its chat template included)."""
+    body = {"model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0}
+    status, answer = engine_call(engine, "POST", "/v1/chat/completions", body)
+    assert status == 200, answer
+    return int(answer["usage"]["prompt_tokens"])
 
 
 def test_a_stream_from_llamacpp_gets_one_usage_chunk_counted_by_its_tokenizer(
@@ -57,7 +85,7 @@ def test_a_stream_from_llamacpp_gets_one_usage_chunk_counted_by_its_tokenizer(
     web = start_web(tmp_path / "var")
     try:
         key, api_key = make_key()
-        serve_model("tiny", [llamacpp.port])
+        serve_tiny(llamacpp.port)
         api = openai.OpenAI(base_url=web.url + "/v1", api_key=key, max_retries=0, timeout=120)
         wait_until(lambda: "tiny" in [m.id for m in api.models.list().data])
         chunks = list(
@@ -73,9 +101,11 @@ def test_a_stream_from_llamacpp_gets_one_usage_chunk_counted_by_its_tokenizer(
         with_usage = [c for c in chunks if c.usage is not None]
         assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        # The prompt as a tokenizer without a chat template takes it: the messages' text. A
-        # completion carries no BOS: the endpoint's count of "" (BOS alone) is taken off.
-        prompt = tokenize(llamacpp, "hello there")
+        # The prompt as the engine counts it, chat template included (its tokenize endpoint
+        # sees only text: far fewer tokens). A completion carries no BOS: the endpoint's count
+        # of "" (BOS alone) is taken off.
+        prompt = chat_prompt_tokens(llamacpp, [{"role": "user", "content": "hello there"}])
+        assert prompt > tokenize(llamacpp, "hello there")
         completion = tokenize(llamacpp, text) - tokenize(llamacpp, "")
         usage = with_usage[0].usage
         assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
@@ -101,7 +131,10 @@ def without_tokenizer(engine: Proc) -> Iterator[int]:
     async def forward(request: web.Request) -> web.StreamResponse:
         if "tokenize" in request.path:
             return web.Response(status=404)
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        headers = {
+            "Content-Type": request.headers.get("Content-Type", "application/json"),
+            "Authorization": request.headers.get("Authorization", ""),
+        }
         async with (
             aiohttp.ClientSession() as session,
             session.request(
@@ -146,7 +179,7 @@ def test_without_its_tokenizer_a_stream_from_llamacpp_is_estimated(
     try:
         with without_tokenizer(llamacpp) as port:
             key, api_key = make_key()
-            serve_model("tiny", [port])
+            serve_tiny(port)
             api = openai.OpenAI(
                 base_url=web_proc.url + "/v1", api_key=key, max_retries=0, timeout=120
             )
