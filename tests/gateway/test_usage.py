@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from gateway import usage
 from gateway.models import UsageRecord
@@ -25,6 +26,10 @@ def _db_thread_closed() -> Iterator[None]:
 
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def counted(metric: str) -> float:
+    return REGISTRY.get_sample_value(f"{metric}_total") or 0.0
 
 
 def record(request_id: str, **fields: Any) -> Usage:
@@ -170,6 +175,19 @@ def test_counts_no_row_can_hold_are_clamped_and_every_row_is_stored() -> None:
     assert UsageRecord.objects.get(request_id="huge").cached_tokens == 2**31 - 1
 
 
+def test_clamped_counts_are_counted_in_the_metric_and_named_in_one_event_a_minute() -> None:
+    recorder = usage.Recorder()
+    before = counted("llmgw_usage_clamped")
+    clamped = (("prompt_tokens", "-5000"), ("completion_tokens", str(10**23)))
+    for request_id in ("a", "b"):
+        recorder.note_clamped(record(request_id, upstream="endpoint:broken"), clamped)
+    assert counted("llmgw_usage_clamped") == before + 4
+    # Queued for the writer with the rows: one for the two requests, naming what was reported.
+    ((subject, message, data),) = recorder.events
+    assert subject == "upstream/endpoint:broken" and "prompt_tokens=-5000" in message
+    assert data["request_id"] == "a"
+
+
 def test_a_row_the_store_refuses_is_dead_lettered_and_holds_back_no_other(
     tmp_path: Path,
 ) -> None:
@@ -180,7 +198,9 @@ def test_a_row_the_store_refuses_is_dead_lettered_and_holds_back_no_other(
         Usage("bad-time", None, None, "m", "chat", float("inf")),  # no datetime holds it
     ]
     rows = [record("ok-1"), *refused, record("ok-2")]
+    dead_letters = counted("llmgw_usage_dead_letters")
     assert usage.store_rows(rows, tmp_path) == 4
+    assert counted("llmgw_usage_dead_letters") == dead_letters + 2
     assert set(UsageRecord.objects.values_list("request_id", flat=True)) == {"ok-1", "ok-2"}
     dead = tmp_path / usage.DEAD_LETTER_DIR / f"{usage.store_id()}.jsonl"
     lines = [json.loads(line) for line in dead.read_bytes().splitlines()]
