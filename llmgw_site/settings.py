@@ -475,7 +475,7 @@ AXES_FAILURE_LIMIT: int = _read(env_int, "LLMGW_LOGIN_FAILURE_LIMIT", 10, minimu
 AXES_COOLOFF_TIME = timedelta(
     minutes=_read(env_float, "LLMGW_LOGIN_LOCKOUT_MINUTES", 60.0, minimum=0.01)
 )
-AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_LOCKOUT_PARAMETERS = "llmgw_site.signin.lockout_parameters"  # admin tokens: per address
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "llmgw_site.signin.lockout_response"
 # Behind a proxy the client's address is in its header; axes reads REMOTE_ADDR otherwise.

@@ -26,6 +26,23 @@ def client_ip(request: HttpRequest) -> str:
     return str(request.META.get("REMOTE_ADDR", ""))
 
 
+# How the admin API names a token in the ledger: this prefix and the token's visible part.
+LEDGER_NAME_OF_TOKENS = "admin-token:"
+
+
+def lockout_parameters(
+    request_or_attempt: Any, credentials: dict[str, Any] | None = None
+) -> list[str]:
+    """What failures are counted by (axes' AXES_LOCKOUT_PARAMETERS). Passwords: per account
+    and, separately, per address. Admin tokens: per address only. A token's secret part is
+    beyond guessing, and its visible prefix is no secret (the admin lists it): counted per
+    prefix, wrong tokens sent from many addresses would lock the real token out everywhere."""
+    username = (credentials or {}).get("username") or getattr(request_or_attempt, "username", "")
+    if str(username or "").startswith(LEDGER_NAME_OF_TOKENS):
+        return ["ip_address"]
+    return ["username", "ip_address"]
+
+
 def lockout_response(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
     """429 for a locked-out sign-in: the admin API's JSON error, else a page that says what
     happened and how it ends. (axes passes the original response and the credentials, in an

@@ -5,9 +5,10 @@ session of a staff user signed in to the admin (for the browser), whose unsafe r
 carry the CSRF token like any form post. A read-only token, or a staff user who is not a
 superuser, may only read.
 
-Wrong tokens count as failed sign-ins in the same ledger as passwords (django-axes): per
-address and per token prefix, so a program guessing tokens is locked out like a person
-guessing passwords, and an administrator lifts it in the same place (the admin's "Access
+Wrong tokens count as failed sign-ins in the same ledger as passwords (django-axes), per
+address (``llmgw_site.signin.lockout_parameters`` says why not per prefix), so a program
+guessing tokens is locked out like a person guessing passwords, and an administrator lifts it
+in the same place (the admin's "Access
 attempts", or ``manage.py axes_reset_ip``).
 """
 
@@ -23,6 +24,7 @@ from ninja.utils import check_csrf
 
 from llmgw_site.admin_api import tokens
 from llmgw_site.admin_api.models import AdminToken
+from llmgw_site.signin import LEDGER_NAME_OF_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class Caller:
 
 def _credentials(token: str) -> dict[str, str]:
     # The ledger's "username" for a token: its visible prefix, never the secret part.
-    return {"username": f"admin-token:{token[: tokens.VISIBLE_CHARS]}"}
+    return {"username": f"{LEDGER_NAME_OF_TOKENS}{token[: tokens.VISIBLE_CHARS]}"}
 
 
 def _by_token(request: HttpRequest, token: str) -> Caller:

@@ -143,6 +143,16 @@ def test_wrong_admin_tokens_lock_the_address_out_of_the_api() -> None:
     assert api_get(good) == (200, "")
 
 
+def test_wrong_tokens_with_a_real_tokens_prefix_from_many_addresses_do_not_lock_it_out() -> None:
+    """The visible prefix is no secret: counting failures per prefix would let anyone who knows
+    it lock the real token out. Each address is counted on its own."""
+    good = tokens.issue("ci", scope=AdminToken.Scope.READ).token
+    prefix = good[: tokens.VISIBLE_CHARS]
+    wrong = [prefix + f"{i:02d}" + "y" * (len(good) - len(prefix) - 2) for i in range(12)]
+    assert [api_get(t, address=f"10.1.0.{i}")[0] for i, t in enumerate(wrong)] == [401] * 12
+    assert api_get(good, address="10.2.0.1") == (200, "")
+
+
 def test_behind_a_proxy_the_address_is_the_one_the_proxy_appended(settings: object) -> None:
     from django.test import RequestFactory
 
