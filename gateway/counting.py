@@ -272,9 +272,10 @@ class Tokenizer:
 
     async def _chat_prompt_tokens(self, messages: list[Any]) -> int | None:
         """llama-cpp-python's tokenize endpoint takes plain text, without the chat template
-        (for the tests' model "hello there" is 4 tokens, the chat around it 43): the count of
-        a chat prompt comes from the engine itself, a one-token completion of the same
-        messages, whose prompt it has just evaluated and mostly holds in its prefix cache."""
+        (for the tests' model the chat of "hello there" costs 43 tokens, far more than its
+        text): the count of a chat prompt comes from the engine itself, a one-token completion
+        of the same messages, whose prompt it has just evaluated and mostly holds in its
+        prefix cache."""
         body = {"model": self.model, "messages": messages, "max_tokens": 1, "stream": False}
         status, answer = await self._post("/v1/chat/completions", body)
         usage = answer.get("usage") if status == 200 and isinstance(answer, dict) else None
