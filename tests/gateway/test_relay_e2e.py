@@ -84,8 +84,7 @@ def chat(name: str, **extra: Any) -> bytes:
 
 def arrived(sim: Proc) -> float:
     """Requests that reached the engine, finished or not."""
-    metrics = sim_metrics(sim)
-    return metrics["vllm:num_requests_running"] + engine_requests(sim)
+    return engine_requests(sim, running=True)
 
 
 def raw_exchange(port: int, head: bytes, body_parts: list[bytes], pause: float = 0.0) -> bytes:

@@ -116,13 +116,16 @@ def sim_metrics(sim: Proc) -> dict[str, float]:
     return totals
 
 
-def engine_requests(sim: Proc) -> float:
-    """Requests that reached the engine: finished, cancelled (client gone) or failed."""
+def engine_requests(sim: Proc, *, running: bool = False) -> float:
+    """Requests that reached the engine: finished, cancelled (client gone) or failed; with
+    ``running``, those still in execution too, from the same scrape (read from two scrapes, a
+    request ending in between was counted twice)."""
     metrics = sim_metrics(sim)
     return (
         metrics.get("vllm:request_success_total", 0)
         + metrics.get("sim:request_cancelled_total", 0)
         + metrics.get("sim:request_failed_total", 0)
+        + (metrics.get("vllm:num_requests_running", 0) if running else 0)
     )
 
 
