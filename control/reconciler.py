@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
+from typing import TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
@@ -53,6 +54,8 @@ from control.models import (
 )
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 # --------------------------------------------------------------------------- the snapshot
@@ -121,30 +124,29 @@ class NodeView:
 
     @cached_property
     def labels(self) -> dict[str, object]:
-        value = _decoded(self.labels_json)
-        return value if isinstance(value, dict) else {}
+        return _decoded(self.labels_json, dict)
 
     @cached_property
     def weights_report(self) -> list[object]:
-        value = _decoded(self.weights_report_json)
-        return value if isinstance(value, list) else []
+        return _decoded(self.weights_report_json, list)
 
     @cached_property
     def remove_weights(self) -> list[object]:
         # As stored: settling compares it with the row before it writes.
-        value = _decoded(self.remove_weights_json)
-        return value if isinstance(value, list) else []
+        return _decoded(self.remove_weights_json, list)
 
 
-def _decoded(text: object) -> object:
-    """A JSON column's value: text from the store (both backends hand JSON columns to a plain
-    cursor as text), or an already decoded value from a driver that does it itself."""
-    if not isinstance(text, str | bytes):
-        return text
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+def _decoded(text: object, kind: type[_T]) -> _T:
+    """A JSON column's value if it is a ``kind`` (empty otherwise: a value of the wrong shape,
+    whoever wrote it, must not fail a tick). Both backends hand JSON columns to a plain cursor
+    as text; a driver that decodes them itself is taken as it is."""
+    value = text
+    if isinstance(text, str | bytes):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+    return value if isinstance(value, kind) else kind()
 
 
 @dataclass

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway import payload
+from gateway import payload, routing
 from gateway.upstream_client import Pool, UpstreamError
 
 logger = logging.getLogger(__name__)
@@ -210,18 +210,14 @@ _baselines: dict[str, int] = {}
 class Tokenizer:
     """An upstream's tokenize endpoint, in whichever dialect it speaks."""
 
-    def __init__(
-        self, pool: Pool, base_url: str, model: str, *, key: str = "", addresses: str = "any"
-    ) -> None:
+    def __init__(self, pool: Pool, upstream: routing.Upstream, model: str) -> None:
         self.pool = pool
-        self.base_url = base_url
+        self.base_url = upstream.base_url
         self.model = model
         # As the relay calls the upstream: with the engine's key (llama-cpp-python guards its
         # tokenize endpoints with it), and only at the addresses the upstream may resolve to.
-        self.headers = _HEADERS + (
-            b"Authorization: Bearer " + key.encode() + b"\r\n" if key else b""
-        )
-        self.addresses = addresses
+        self.headers = _HEADERS + upstream.authorization
+        self.addresses = upstream.addresses
 
     async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         response = await self.pool.post(

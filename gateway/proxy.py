@@ -219,13 +219,7 @@ class Exchange:
         self, upstream: routing.Upstream, completions: list[str], relayed_events: int | None
     ) -> counting.Counted:
         assert self.route is not None
-        tokenizer = counting.Tokenizer(
-            pool(),
-            upstream.base_url,
-            self.route.name,
-            key=upstream.key,
-            addresses=upstream.addresses,
-        )
+        tokenizer = counting.Tokenizer(pool(), upstream, self.route.name)
         return await counting.count(tokenizer, self.prompt(), completions, relayed_events)
 
 
@@ -531,8 +525,7 @@ async def _attempt(
     response: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(deadlines.first_byte):
-            if upstream.key:  # the engine's own key: only the gateway holds it
-                headers += b"Authorization: Bearer " + upstream.key.encode() + b"\r\n"
+            headers += upstream.authorization  # the engine's own key: only the gateway holds it
             response = await pool().post(
                 upstream.base_url,
                 ex.api_route.path,

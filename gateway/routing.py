@@ -27,6 +27,12 @@ class Upstream:
     # "node" for replicas, "public" for Endpoint rows, "any" where an operator allowed it.
     addresses: str = "any"
 
+    @property
+    def authorization(self) -> bytes:
+        """The header line that carries the engine's key (none for endpoints): everything the
+        gateway sends this upstream, relayed or its own (token counting), sends it."""
+        return b"Authorization: Bearer " + self.key.encode() + b"\r\n" if self.key else b""
+
 
 @dataclass(frozen=True)
 class CatalogRow:
