@@ -88,6 +88,41 @@ async def test_a_key_in_use_is_reloaded_ahead_of_its_ttl_without_waiting(
     assert reloaded is not None and reloaded.revoked
 
 
+async def test_a_burst_of_misses_for_one_key_is_one_load_and_a_hang_up_cancels_none(
+    alice: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1,000 streams opened at once on a fresh process: one load of the key, not 1,000."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    issued = await sync_to_async(keys.issue)("alice")
+    loads: list[str] = []
+    release = asyncio.Event()
+    real_load = keys._load
+
+    async def slow_load(key_hash: str) -> keys.KeyInfo | None:
+        loads.append(key_hash)
+        await release.wait()
+        return await sync_to_async(real_load)(key_hash)
+
+    def load_in_loop(fn: Any) -> Any:
+        assert fn is keys._load
+        return slow_load
+
+    monkeypatch.setattr(keys, "sync_to_async", load_in_loop)
+    cache = keys.KeyCache(FakeClock())
+    waiters = [asyncio.ensure_future(cache.lookup(issued.key)) for _ in range(50)]
+    await asyncio.sleep(0)
+    waiters[0].cancel()  # the first client hangs up: the load it started goes on for the rest
+    release.set()
+    answers = await asyncio.gather(*waiters[1:])
+    assert len(loads) == 1
+    assert {a.id for a in answers if a is not None} == {issued.api_key.pk}
+    assert None not in answers and waiters[0].cancelled()
+    assert await cache.lookup(issued.key) is answers[0] and len(loads) == 1  # stored
+
+
 async def test_unknown_and_malformed_keys_are_none(alice: Any) -> None:
     assert await keys.authenticate(None) is None
     assert await keys.authenticate("Basic abc") is None
