@@ -639,9 +639,7 @@ async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:
         if out:
             yield out
         while True:
-            # Not around the yield: time the client takes to read is not the upstream's idle.
-            async with asyncio.timeout(idle):
-                chunk = await response.read_piece()
+            chunk = await response.read_piece(idle)
             if not chunk:
                 break
             out = sse.feed(chunk)

@@ -137,21 +137,32 @@ class Response:
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._wait_deadline = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
 
     def header(self, name: bytes) -> str | None:
         value = self.headers.get(name)
         return None if value is None else value.decode("latin-1")
 
-    async def read_piece(self) -> bytes:
+    async def read_piece(self, idle: float | None = None) -> bytes:
         """What of the body has arrived since the last call (waiting for some if nothing
         has); ``b""`` once the body is complete. Pieces that came together are returned
-        together: they were all there, so joining them delays nothing."""
+        together: they were all there, so joining them delays nothing.
+
+        ``idle``: ``TimeoutError`` once this call has waited that long for a piece. Only the
+        wait counts: time the caller spends between calls (a slow client) is not the
+        upstream's."""
         while not self._pieces:
             if self._error is not None:
                 raise self._error
             if self.complete:
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            if idle is not None:
+                self._wait_deadline = loop.time() + idle
+                if self._watchdog is None:
+                    self._watchdog = loop.call_at(self._wait_deadline, self._watch)
             try:
                 await self._waiter
             finally:
@@ -172,10 +183,31 @@ class Response:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def release(self) -> None:
+        self._stop_watch()
         self._connection.finished(self, reuse=self.complete)
 
     def close(self) -> None:
+        self._stop_watch()
         self._connection.finished(self, reuse=False)
+
+    def _watch(self) -> None:
+        """The idle deadline's one timer. It is moved on to the current wait's deadline when
+        it fires early, not set and cancelled for every piece: ``asyncio.timeout`` around each
+        read was a tenth of a relayed stream's CPU."""
+        self._watchdog = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits now; the next wait arms it again
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._wait_deadline:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._watchdog = loop.call_at(self._wait_deadline, self._watch)
+
+    def _stop_watch(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     # --- called by the connection ---------------------------------------------------------
 

@@ -147,6 +147,40 @@ async def test_a_chunked_stream_is_handed_over_as_each_piece_arrives(pool: Pool)
         response.release()
 
 
+async def test_the_idle_deadline_counts_only_the_wait_for_a_piece(pool: Pool) -> None:
+    """A reader slower than the idle deadline between reads is not an idle upstream; a wait
+    for a piece that lasts past it is, however many pieces came before."""
+    send = asyncio.Queue[bytes]()
+
+    async def engine(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Upstream
+    ) -> None:
+        await up.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while event := await send.get():
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        await reader.read()
+
+    idle = 0.2
+    async with upstream(engine) as up:
+        response = await pool.post(up.url, "/v1/completions", b"{}", b"", connect_timeout=5)
+        for n in range(3):  # each piece comes in time; the reader dawdles between reads
+            send.put_nowait(b"data: %d\n\n" % n)
+            assert await response.read_piece(idle) == b"data: %d\n\n" % n
+            await asyncio.sleep(idle * 1.5)
+        send.put_nowait(b"data: late\n\n")  # there already: no wait at all
+        await asyncio.sleep(idle * 1.5)
+        assert await response.read_piece(idle) == b"data: late\n\n"
+        loop = asyncio.get_running_loop()
+        waited_from = loop.time()
+        with pytest.raises(TimeoutError):
+            await response.read_piece(idle)
+        assert loop.time() - waited_from >= idle * 0.9  # the wait itself, not the last piece
+        response.close()
+        send.put_nowait(b"")
+
+
 async def test_a_body_without_a_length_ends_with_the_connection_which_is_not_reused(
     pool: Pool,
 ) -> None:
