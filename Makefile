@@ -12,7 +12,7 @@ LLAMA_STAMP := $(VENV)/.installed-llamacpp
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
 typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
 
-.PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage clean
+.PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -116,6 +116,15 @@ bench-accounting: $(RUN_STAMP)
 # create), then the dashboard JSON, /account/ and a budget check, timed.
 bench-usage: $(RUN_STAMP)
 	$(PY) -m bench.usage_volume
+
+# The agents' WebSocket streams on uvicorn and on daphne, side by side (PostgreSQL + Redis).
+bench-agent-servers: $(TEST_STAMP)
+	$(PY) -m bench.agent_servers $(BENCH_AGENT_ARGS)
+
+# py-spy samples one web process under non-streamed and streamed load: collapsed stacks and
+# flame graphs in var/profile/. py-spy is not a dependency: pip install py-spy first.
+profile: $(RUN_STAMP)
+	$(PY) -m bench.profile
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*

@@ -1,0 +1,150 @@
+"""Where a web process spends its time on the request path: py-spy samples one llmgw web
+process (pinned to one core, as in ``make bench``) while the load generator drives it, once
+with non-streamed requests at a constant rate and once with paced streams.
+
+For each load it writes py-spy's collapsed stacks (``var/profile/*.txt``: feed them to any
+flame-graph tool, e.g. ``flamegraph.pl`` or speedscope.app) and an SVG flame graph, and prints
+the functions that hold the most samples, by their own time and with what they call. py-spy is
+not a dependency: ``pip install py-spy`` (it needs ptrace; run as root or allow it).
+
+    python -m bench.profile [--seconds 8] [--rate 800] [--streams 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import uvloop
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "var" / "profile"
+
+
+def summarize(collapsed: Path, top: int = 25) -> str:
+    """The functions holding the most samples: own time, and inclusive of what they call.
+    Threads idling in a wait (the database thread's executor) are left out."""
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if "concurrent/futures/thread.py" in stack and "_WorkItem.run" not in stack:
+            continue  # an executor thread waiting for work
+        frames = [frame.split(" (")[0] + _where(frame) for frame in stack.split(";")]
+        samples = int(count)
+        total += samples
+        own[frames[-1]] += samples
+        for frame in set(frames):
+            inclusive[frame] += samples
+    lines = [f"{total} samples", "  own time:"]
+    lines += [f"    {n * 100 / total:5.1f}%  {name}" for name, n in own.most_common(top)]
+    lines.append("  inclusive:")
+    lines += [f"    {n * 100 / total:5.1f}%  {name}" for name, n in inclusive.most_common(top)]
+    return "\n".join(lines)
+
+
+def _where(frame: str) -> str:
+    if " (" not in frame:
+        return ""
+    path = frame.split(" (", 1)[1].split(":", maxsplit=1)[0]
+    return f" ({'/'.join(path.split('/')[-2:])})"
+
+
+def record(pid: int, name: str, seconds: float) -> subprocess.Popen[bytes]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    argv = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "250"]
+    return subprocess.Popen(
+        [*argv, "-f", "raw", "-o", str(OUT / f"{name}.txt")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def flame(name: str, pid: int, seconds: float) -> subprocess.Popen[bytes]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    argv = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "250"]
+    return subprocess.Popen(
+        [*argv, "-f", "flamegraph", "-o", str(OUT / f"{name}.svg")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def constant_rate(url: str, key: str, rate: int, seconds: float) -> int:
+    from bench.__main__ import CHAT, one_request
+
+    body = json.dumps(CHAT).encode()
+    done = 0
+    connector = aiohttp.TCPConnector(limit=64)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        from bench.__main__ import Target
+
+        target = Target("L2", url)
+        start = time.perf_counter()
+        tasks = []
+        for i in range(int(rate * seconds)):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(session, target, key, body)))
+        done = len(await asyncio.gather(*tasks))
+    return done
+
+
+async def paced_streams(url: str, key: str, count: int, seconds: float) -> int:
+    from bench.__main__ import CHAT
+    from bench.held import held_stream
+
+    tokens = int(seconds * 1000 / 20)
+    body = json.dumps({**CHAT, "max_tokens": tokens, "stream": True, "sim": {"itl_ms": 20}})
+    streams = await asyncio.gather(*(held_stream(url, key, body.encode()) for _ in range(count)))
+    return sum(stream.events for stream in streams)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--rate", type=int, default=800, help="non-streamed requests a second")
+    parser.add_argument("--streams", type=int, default=500, help="paced streams held at once")
+    args = parser.parse_args()
+    from bench.__main__ import setup_engine_and_gateway
+
+    shutil.rmtree(OUT, ignore_errors=True)
+    OUT.mkdir(parents=True)
+    stack = setup_engine_and_gateway()
+    gateway = stack.targets["L2"]
+    assert gateway.proc is not None
+    try:
+        loop = uvloop.new_event_loop()
+        loop.run_until_complete(constant_rate(gateway.url, stack.key, args.rate, 2.0))  # warm
+        loads = {
+            "requests": lambda: constant_rate(gateway.url, stack.key, args.rate, args.seconds),
+            "streams": lambda: paced_streams(gateway.url, stack.key, args.streams, args.seconds),
+        }
+        for name, load in loads.items():
+            spies = [
+                record(gateway.proc.pid, name, args.seconds - 1),
+                flame(f"{name}-flame", gateway.proc.pid, args.seconds - 1),
+            ]
+            count = loop.run_until_complete(load())
+            for spy in spies:
+                spy.wait()
+            print(f"\n== {name}: {count} {'requests' if name == 'requests' else 'events'}")
+            print(summarize(OUT / f"{name}.txt"))
+        loop.close()
+    finally:
+        stack.stop()
+    print(f"\ncollapsed stacks and flame graphs in {OUT}")
+
+
+if __name__ == "__main__":
+    main()
