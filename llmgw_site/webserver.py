@@ -103,14 +103,20 @@ class WebServer(uvicorn.Server):
         connection error. Here an idle connection stays open until it has been idle for
         ``LLMGW_IDLE_LINGER`` seconds; a request that arrives on it meanwhile is served, answered
         with ``Connection: close`` (``llmgw_site.asgi`` adds it while draining), and the
-        connection closes after that answer, which no client mistakes for an error."""
+        connection closes after that answer, which no client mistakes for an error.
+
+        A connection whose answer is under way is left to the same rule, not told to close
+        when it ends (uvicorn's stop does that): an answer that began before the stop went out
+        without ``Connection: close``, so its client takes the connection back into its pool
+        and may send on it at the very moment it closes (seen: a rolling restart under load,
+        a request failing with a read error as a stream that began before it ended)."""
         for server in self.servers:
             server.close()
         for sock in sockets or []:
             sock.close()
         for connection in list(self.server_state.connections):
-            if not idle(connection):
-                connection.shutdown()  # closes after its answer; a WebSocket gets 1012 now
+            if not hasattr(connection, "cycle"):
+                connection.shutdown()  # a WebSocket: 1012 (service restart) now
         try:
             await asyncio.wait_for(
                 self._drain_connections(), timeout=self.config.timeout_graceful_shutdown

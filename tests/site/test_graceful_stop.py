@@ -82,6 +82,58 @@ def test_sigterm_finishes_short_streams_and_cuts_long_ones_at_the_grace(
     assert len(reasons) == 8
 
 
+def test_a_connection_whose_stream_began_before_the_stop_stays_usable_after_it(
+    tmp_path: Path, engine: Proc
+) -> None:
+    """The stream's answer went out before the stop, without ``Connection: close``, so its
+    client keeps the connection for its next request. Closing it when the stream ends races
+    that request (a read error at the client); it stays open, and the next answer on it says
+    ``Connection: close``."""
+    import json
+    import socket
+
+    web = start_web(tmp_path / "var", LLMGW_SHUTDOWN_GRACE="20")
+    key, _ = make_key()
+    serve_model(MODEL, [engine.port])
+    wait_until(lambda: routes(web, key, MODEL), what="the model routed")
+
+    def request(stream: bool) -> bytes:
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "go"}],
+                "max_tokens": 10,
+                "stream": stream,
+                "sim": {"itl_ms": 100, "ttft_ms": 5},
+            }
+        ).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        return head.encode() + body
+
+    def read_until(sock: socket.socket, end: bytes, seen: bytes = b"") -> bytes:
+        while end not in seen:
+            data = sock.recv(65536)
+            if not data:
+                raise AssertionError(f"the server closed the connection; read so far: {seen!r}")
+            seen += data
+        return seen
+
+    with socket.create_connection(("127.0.0.1", web.port), timeout=30) as sock:
+        sock.sendall(request(stream=True))
+        head = read_until(sock, b"data: ")
+        assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()
+        web.signal(signal.SIGTERM)
+        read_until(sock, b"0\r\n\r\n", head)  # the stream runs to its end
+        sock.sendall(request(stream=False))  # as a pooled client does, right away
+        answer = read_until(sock, b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert b"connection: close" in answer.lower(), answer
+    assert web.wait(30) == 0, web.tail()
+
+
 async def test_healthz_says_draining_once_the_stop_began() -> None:
     """A balancer's probe that still reaches a stopping process (a connection accepted just
     before the stop) learns to move away; the process was healthy until then."""
