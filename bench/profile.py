@@ -59,21 +59,13 @@ def _where(frame: str) -> str:
     return f" ({'/'.join(path.split('/')[-2:])})"
 
 
-def record(pid: int, name: str, seconds: float) -> subprocess.Popen[bytes]:
+def record(pid: int, name: str, seconds: float, form: str = "raw") -> subprocess.Popen[bytes]:
+    """py-spy on ``pid`` for ``seconds``: ``raw`` (collapsed stacks) or ``flamegraph`` (SVG)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    argv = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "250"]
+    suffix = "svg" if form == "flamegraph" else "txt"
+    argv = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "250", "-f", form]
     return subprocess.Popen(
-        [*argv, "-f", "raw", "-o", str(OUT / f"{name}.txt")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-def flame(name: str, pid: int, seconds: float) -> subprocess.Popen[bytes]:
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    argv = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "250"]
-    return subprocess.Popen(
-        [*argv, "-f", "flamegraph", "-o", str(OUT / f"{name}.svg")],
+        [*argv, "-o", str(OUT / f"{name}.{suffix}")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -133,7 +125,7 @@ def main() -> None:
         for name, load in loads.items():
             spies = [
                 record(gateway.proc.pid, name, args.seconds - 1),
-                flame(f"{name}-flame", gateway.proc.pid, args.seconds - 1),
+                record(gateway.proc.pid, f"{name}-flame", args.seconds - 1, "flamegraph"),
             ]
             count = loop.run_until_complete(load())
             for spy in spies:
