@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from bench import control
+from bench import control, django_on
 from bench.held import HeldStream, held_stream
 from tests.harness.procs import Proc, free_port, web_process
 
@@ -227,23 +227,9 @@ def prepare() -> tuple[dict[str, str], str]:
     """A fresh SQLite store with one key; the environment every process gets."""
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"sqlite:///{WORK / 'bench.sqlite3'}",
-        SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
-        LLMGW_VAR_DIR=str(WORK),
-        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
-        LLMGW_LOG_LEVEL="WARNING",
-    )
-    os.environ.update(env)
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
+    env = django_on(f"sqlite:///{WORK / 'bench.sqlite3'}", WORK)
     from tests.harness.factories import make_key
 
-    call_command("migrate", verbosity=0)
     key, _ = make_key("bench")
     return env, key
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from bench import django_on
 from tests.harness.procs import Proc, free_port, web_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,23 +45,9 @@ def cpu_seconds(proc: Proc) -> float:
 def setup() -> tuple[str, dict[str, Proc], list[Proc]]:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"sqlite:///{WORK / 'bench.sqlite3'}",
-        SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
-        LLMGW_VAR_DIR=str(WORK),
-        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
-        LLMGW_LOG_LEVEL="WARNING",
-    )
-    os.environ.update(env)
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
+    env = django_on(f"sqlite:///{WORK / 'bench.sqlite3'}", WORK)
     from tests.harness.factories import make_key, serve_model
 
-    call_command("migrate", verbosity=0)
     key, _ = make_key("bench", budget=10**12)
     port = free_port()
     argv = [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", MODEL]

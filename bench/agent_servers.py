@@ -135,27 +135,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=REPO / "var" / "bench-agent-servers.json")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
+    from bench import django_on
     from bench.fleet import fresh_database
 
     fresh_database(args.database_url)
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=args.database_url,
-        SECRET_KEY=env.get("SECRET_KEY") or "llmgw-bench-only",
-        LLMGW_VAR_DIR=str(WORK),
-        DJANGO_SETTINGS_MODULE="llmgw_site.settings",
-        LLMGW_LOG_LEVEL="WARNING",
-    )
-    os.environ.update(env)
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
+    env = django_on(args.database_url, WORK)
     from control import node_tokens
     from tests.harness.redis import RedisServer
 
-    call_command("migrate", verbosity=0)
     names = [f"fleet-{i:04d}" for i in range(args.nodes)]
     tokens = WORK / "tokens.json"
     tokens.write_text(json.dumps({name: node_tokens.issue_node_token(name) for name in names}))
