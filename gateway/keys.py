@@ -240,9 +240,10 @@ class KeyCache:
     behind the database thread's usage batch and took 100+ ms at p99. Past the whole TTL the
     lookup waits for a fresh load, so a revocation still takes effect within the TTL.
 
-    One key is loaded by one query at a time, however many of its requests miss together:
-    1,000 streams opened at once on a fresh process each ran the key's three queries, 0.7 s
-    of the only database thread, while the first streams' tokens waited behind them.
+    One key is loaded once at a time, however many of its requests miss together: when
+    1,000 streams opened at once on a fresh process, each ran the key's three queries (70% of
+    the process's samples were that, in its one database thread) while the first streams'
+    tokens waited.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:

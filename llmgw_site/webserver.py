@@ -8,9 +8,11 @@ for llmgw, and half of daphne's), and CPU per request is what bounds a web proce
 throughput. It serves Channels' WebSocket consumers as well, so one kind of process carries
 every listener: measured against daphne on the agents' streams (``make bench-agent-servers``),
 it took 500 nodes dialling at once with about 40% less CPU and 20% less memory, and daphne's
-lower cost on steady heartbeats (about 15%) does not pay for a second kind of process. Several of them accept on one shared socket (not
-``SO_REUSEPORT``): a connection waiting in the backlog is taken by whichever process is
-accepting, so a process that stops accepting loses none.
+lower cost on steady heartbeats (about 15%) does not pay for a second kind of process.
+
+Several of them accept on one shared socket (not ``SO_REUSEPORT``): a connection waiting in
+the backlog is taken by whichever process is accepting, so a process that stops accepting
+loses none.
 
 A stop (SIGTERM, or Ctrl-C) is graceful: the process stops accepting at once, ``/healthz``
 answers 503 ``draining``, agents' streams are closed with 1012 (service restart: reconnect
