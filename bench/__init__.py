@@ -7,6 +7,24 @@ import os
 from pathlib import Path
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of one process so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of one process, from /proc (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def django_on(database_url: str, var_dir: Path) -> dict[str, str]:
     """Django set up in this process on ``database_url`` (migrated), its files under
     ``var_dir``; the environment, for the processes a benchmark starts to share."""

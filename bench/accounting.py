@@ -26,20 +26,13 @@ from typing import Any
 
 import aiohttp
 
-from bench import django_on
+from bench import cpu_seconds, django_on
 from tests.harness.procs import Proc, free_port, web_process
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "var" / "bench-accounting"
 MODEL = "bench"
-TICKS = os.sysconf("SC_CLK_TCK")
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
-
-
-def cpu_seconds(proc: Proc) -> float:
-    with open(f"/proc/{proc.pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def setup() -> tuple[str, dict[str, Proc], list[Proc]]:
@@ -93,9 +86,9 @@ async def measure(
             cpu = dict.fromkeys(targets, 0.0)
             for _ in range(rounds):
                 for name, web in targets.items():
-                    before = cpu_seconds(web)
+                    before = cpu_seconds(web.pid)
                     samples = [await one(session, web.url, key, body) for _ in range(per_round)]
-                    cpu[name] += cpu_seconds(web) - before
+                    cpu[name] += cpu_seconds(web.pid) - before
                     p50s[name].append(statistics.median(samples))
             result: dict[str, Any] = {
                 name: {

@@ -23,22 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import cpu_seconds, rss_mib
+
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "var" / "bench-agent-servers"
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def start_server(kind: str, env: dict[str, str], logs: Path) -> Any:

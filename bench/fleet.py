@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import rss_mib
+
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "var" / "bench-fleet"
 PG_LOG = Path("/var/log/postgresql/postgresql-15-main.log")
@@ -218,16 +220,6 @@ def log_size() -> int:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -72,15 +72,11 @@ def record(pid: int, name: str, seconds: float, form: str = "raw") -> subprocess
 
 
 async def constant_rate(url: str, key: str, rate: int, seconds: float) -> int:
-    from bench.__main__ import CHAT, one_request
+    from bench.__main__ import CHAT, Target, one_request
 
     body = json.dumps(CHAT).encode()
-    done = 0
-    connector = aiohttp.TCPConnector(limit=64)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        from bench.__main__ import Target
-
-        target = Target("L2", url)
+    target = Target("L2", url)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
         start = time.perf_counter()
         tasks = []
         for i in range(int(rate * seconds)):
@@ -88,8 +84,7 @@ async def constant_rate(url: str, key: str, rate: int, seconds: float) -> int:
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one_request(session, target, key, body)))
-        done = len(await asyncio.gather(*tasks))
-    return done
+        return len(await asyncio.gather(*tasks))
 
 
 async def paced_streams(url: str, key: str, count: int, seconds: float) -> int:
