@@ -227,6 +227,13 @@ class Exchange:
 _counting: set[asyncio.Task[None]] = set()
 
 
+async def counts_settled() -> None:
+    """Wait for the background counts in flight: each ends in a usage row, which a stopping
+    process must write before its usage recorder closes. The caller bounds the wait."""
+    if _counting:
+        await asyncio.wait(set(_counting))
+
+
 _id_prefix: tuple[int, str] = (-1, "")
 _id_counter = itertools.count(1)
 

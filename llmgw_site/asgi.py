@@ -3,6 +3,8 @@ WebSocket streams, and the lifespan messages of servers that send them (uvicorn,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -20,6 +22,7 @@ from channels.routing import URLRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from control.routing import websocket_urlpatterns  # noqa: E402
+from gateway import proxy  # noqa: E402
 from gateway.asgi import V1App, send_answer  # noqa: E402
 from gateway.drain import drain  # noqa: E402
 from gateway.responses import Response  # noqa: E402
@@ -130,6 +133,10 @@ async def open_metrics(scope: Scope, send: Send) -> None:
     await send_answer(Response(200, [(b"content-type", content_type.encode())], body), send)
 
 
+# How long a stopping process waits for background token counts before it closes the journal.
+COUNTS_GRACE_S = 10.0
+
+
 async def lifespan(receive: Receive, send: Send) -> None:
     """Startup needs nothing (everything starts with the first request). At shutdown, once
     the server has finished the requests in flight, store the usage rows and counters now
@@ -140,6 +147,10 @@ async def lifespan(receive: Receive, send: Send) -> None:
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             metrics.write_tallies()
+            # A stream cut at the grace may still be counting its tokens: its row first.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(COUNTS_GRACE_S):
+                    await proxy.counts_settled()
             await sync_to_async(recorder.close)()
             await send({"type": "lifespan.shutdown.complete"})
             return
