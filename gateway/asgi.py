@@ -174,6 +174,9 @@ async def _tell_cut(send: Send, *, started: bool) -> None:
             await send_answer(refusal, send)
 
 
+V1_URLCONF = "gateway.v1_urls"
+
+
 class V1App:
     """``/v1``: the relay routes here, everything else through django-ninja."""
 
@@ -268,4 +271,5 @@ def _request(scope: Scope, body: bytes) -> ASGIRequest | None:
         return None
     # The body is already in memory: hand it over instead of letting Django copy it again.
     request._body = body
+    request.urlconf = V1_URLCONF
     return request
