@@ -11,6 +11,11 @@ LLAMA_STAMP := $(VENV)/.installed-llamacpp
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
 typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
+# The suite starts hundreds of Python processes. Where the environment says not to write
+# bytecode (PYTHONDONTWRITEBYTECODE=1), each of them compiled our modules again as it started
+# (0.25 CPU-s a process, measured here), and each pytest process the test modules; the passes
+# keep Python's caches (__pycache__, ignored by git).
+pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres: export PYTHONDONTWRITEBYTECODE =
 
 .PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
 
