@@ -13,11 +13,14 @@ from dataclasses import dataclass
 # How long a stopping web process lets requests in flight finish (LLMGW_SHUTDOWN_GRACE).
 DEFAULT_SHUTDOWN_GRACE = 30.0
 # How long a stopping web process keeps an idle kept-alive connection open (LLMGW_IDLE_LINGER):
-# longer than the common clients' own idle expiry (httpx, and so the openai client: 5 s), so
-# that the client drops the connection first and never sends a request into the server's
-# close. (At 1 s, a loaded machine showed one such request error in a rolling restart of 200
-# streams.) Behind a balancer whose idle timeout is known, it can be shorter.
-DEFAULT_IDLE_LINGER = 10.0
+# longer than the common clients' own idle expiry (httpx, and so the openai client: 5 s) plus
+# how far behind a busy client reads, so that the client drops the connection first and never
+# sends a request into the server's close. The server counts idle from the moment it wrote an
+# answer's end; the client counts its 5 s from the moment it read it, and a client starved of
+# CPU reads seconds later. (At 1 s, then at 10 s, a loaded machine showed one such request
+# error in a rolling restart of 200 streams, whose client read the streams' first bytes 3-4 s
+# after they were sent.) Behind a balancer whose idle timeout is known, it can be shorter.
+DEFAULT_IDLE_LINGER = 20.0
 
 
 # channels_redis waits for a group message in a blocking pop of 5 s at a time
