@@ -67,9 +67,8 @@ migrations-check: $(TEST_STAMP)
 
 # Each pass runs its modules in TEST_WORKERS processes (pytest-xdist; a module's tests stay in
 # one, as they share its cluster): most of a test's time is spent waiting on the processes it
-# started, so modules side by side fill the cores (with 3 a pass, the two passes kept two cores
-# 83% busy on a slow machine). TEST_WORKERS=0 runs in this process.
-TEST_WORKERS ?= 4
+# started, so modules side by side fill the cores. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 3
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 SQLITE_URL := sqlite:///var/test.sqlite3
