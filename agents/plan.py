@@ -94,6 +94,16 @@ class Refuse:
 
 
 @dataclass(frozen=True)
+class Wait:
+    """Not yet: a shard on its way out still holds a port or GPU the spec needs. Nothing is
+    started; the end of that shard's life plans again."""
+
+    spec: DesiredShard
+    fingerprint: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Update:
     """The same incarnation with new timeouts or health path: take them in place."""
 
@@ -130,15 +140,20 @@ class Forget:
     shard_id: int
 
 
-Action = Start | Refuse | Update | Drain | Stop | RecordStopped | Forget
+Action = Start | Refuse | Wait | Update | Drain | Stop | RecordStopped | Forget
 
 
 # --------------------------------------------------------------------------- the decision
 
 
-def refusal(spec: DesiredShard, node: NodeFacts, busy_ports: Mapping[int, int]) -> str:
-    """Why this node cannot run ``spec``, or ''. ``busy_ports`` maps a port to the shard
-    holding it."""
+def refusal(
+    spec: DesiredShard,
+    node: NodeFacts,
+    busy_ports: Mapping[int, int],
+    busy_gpus: Mapping[int, int] | None = None,
+) -> str:
+    """Why this node cannot run ``spec``, or ''. ``busy_ports`` and ``busy_gpus`` map a port
+    or GPU index to the shard that holds it and keeps it."""
     low, high = node.port_range
     if not low <= spec.port <= high:
         return f"port {spec.port} is outside this agent's port range {low}-{high}"
@@ -149,7 +164,27 @@ def refusal(spec: DesiredShard, node: NodeFacts, busy_ports: Mapping[int, int]) 
     if missing:
         have = ",".join(str(i) for i in sorted(node.gpus)) or "none"
         return f"GPU(s) {missing} do not exist on this node (it has {have})"
+    taken = _held(spec, spec.gpu_indices, busy_gpus or {})
+    if taken:
+        return f"GPU(s) {sorted(taken)} already used by shard(s) {sorted(set(taken.values()))}"
     return ""
+
+
+def _held(spec: DesiredShard, keys: tuple[int, ...], holders: Mapping[int, int]) -> dict[int, int]:
+    """Which of ``keys`` (ports or GPU indices) another shard than ``spec``'s holds."""
+    return {k: h for k in keys if (h := holders.get(k)) is not None and h != spec.shard_id}
+
+
+def _waiting_for(
+    spec: DesiredShard, freed_ports: Mapping[int, int], freed_gpus: Mapping[int, int]
+) -> str:
+    """What ``spec`` waits for from shards on their way out, or '' when nothing."""
+    held = []
+    if port := _held(spec, (spec.port,), freed_ports):
+        held.append(f"port {spec.port} (shard {port[spec.port]})")
+    if gpus := _held(spec, spec.gpu_indices, freed_gpus):
+        held.append(f"GPU(s) {sorted(gpus)} (shard(s) {sorted(set(gpus.values()))})")
+    return f"waiting for stopping shards to free {' and '.join(held)}" if held else ""
 
 
 def plan(
@@ -160,19 +195,43 @@ def plan(
     if desired is None:
         return []  # nothing is stopped before the control plane has said what it wants
     actions: list[Action] = []
-    # Ports held by live shards, and by the ones this plan starts (a later shard of the same
-    # snapshot on the same port is refused, not started beside it).
-    busy = {rt.spec.port: rt.spec.shard_id for rt in running.values() if not rt.finished}
+    wanted = {s.shard_id: s for s in desired.shards}
+    # A live incarnation still wanted running keeps its port and GPUs: a new shard asking for
+    # them is refused (the control plane placed two on one). One on its way out (not wanted,
+    # wanted drained or stopped, or changed) frees them when its process ends: a new shard
+    # waits for that, so two engines never share a GPU, as when a node back from being lost
+    # still runs the engine of a replica placed elsewhere meanwhile. What this plan starts
+    # keeps its own.
+    kept_ports: dict[int, int] = {}
+    kept_gpus: dict[int, int] = {}
+    freed_ports: dict[int, int] = {}
+    freed_gpus: dict[int, int] = {}
+    for live in running.values():
+        if live.finished:
+            continue
+        asked = wanted.get(live.spec.shard_id)
+        keeps = (
+            asked is not None
+            and asked.state is DesiredShardState.RUNNING
+            and fingerprint(asked) == live.fingerprint
+        )
+        ports, gpus = (kept_ports, kept_gpus) if keeps else (freed_ports, freed_gpus)
+        ports[live.spec.port] = live.spec.shard_id
+        gpus.update(dict.fromkeys(live.spec.gpu_indices, live.spec.shard_id))
 
     def start(spec: DesiredShard, fp: str) -> None:
-        reason = refusal(spec, node, busy)
+        reason = refusal(spec, node, kept_ports, kept_gpus)
         if reason:
             actions.append(Refuse(spec, fp, reason))
-        else:
-            busy[spec.port] = spec.shard_id
-            actions.append(Start(spec, fp))
+            return
+        waiting = _waiting_for(spec, freed_ports, freed_gpus)
+        if waiting:
+            actions.append(Wait(spec, fp, waiting))
+            return
+        kept_ports[spec.port] = spec.shard_id
+        kept_gpus.update(dict.fromkeys(spec.gpu_indices, spec.shard_id))
+        actions.append(Start(spec, fp))
 
-    wanted = {s.shard_id: s for s in desired.shards}
     for shard_id, spec in wanted.items():
         rt = running.get(shard_id)
         fp = fingerprint(spec)

@@ -50,6 +50,7 @@ from agents.plan import (
     Start,
     Stop,
     Update,
+    Wait,
     Want,
     escalates,
     fingerprint,
@@ -221,6 +222,8 @@ class Supervisor:
                 rt = self._new_runtime(spec, fp)
                 logger.error("shard %s cannot start: %s", spec.shard_id, reason)
                 self._fail(rt, FailureClass.BAD_ARGS, reason)
+            case Wait(spec, fp, reason):
+                self._wait_to_start(spec, fp, reason)
             case Update(spec):
                 self.shards[spec.shard_id].spec = spec
             case Drain(shard_id):
@@ -234,6 +237,20 @@ class Supervisor:
             case Forget(shard_id):
                 del self.shards[shard_id]
                 self._changed()
+
+    def _wait_to_start(self, spec: DesiredShard, fp: str, reason: str) -> None:
+        """Report the shard pending, with why; said once, however often the plan runs."""
+        rt = self.shards.get(spec.shard_id)
+        if (
+            rt is not None
+            and rt.state is ShardState.PENDING
+            and (rt.fingerprint, rt.message) == (fp, reason)
+        ):
+            return
+        rt = self._new_runtime(spec, fp)
+        rt.message = reason
+        logger.info("shard %s not started yet: %s", spec.shard_id, reason)
+        self._changed()
 
     def _new_runtime(self, spec: DesiredShard, fp: str) -> ShardRuntime:
         rt = ShardRuntime(spec=spec, fingerprint=fp, log_path=self._log_path(spec))

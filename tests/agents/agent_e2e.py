@@ -217,10 +217,25 @@ def place(
             replica=replica,
             node=target,
             port=cluster.agents[node].free_port(),
-            gpu_indices=[0],
+            gpu_indices=[free_gpu(target)],
         )
         nudges.nudge_node(target.pk)
     return shard
+
+
+def free_gpu(node: Node) -> int:
+    """The lowest GPU of ``node`` that no replica wanted running or draining uses: the agent
+    refuses a shard on a GPU another one keeps, as a real GPU's memory would."""
+    taken = {
+        index
+        for indices in Shard.objects.filter(node=node)
+        .exclude(replica__desired=Replica.Desired.STOPPED)
+        .values_list("gpu_indices", flat=True)
+        for index in indices
+    }
+    free = [gpu.index for gpu in node.gpus.order_by("index") if gpu.index not in taken]
+    assert free, f"node {node.name} has no free GPU for another shard: give its agent more"
+    return free[0]
 
 
 def observed(shard: Shard) -> str:

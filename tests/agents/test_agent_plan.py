@@ -19,6 +19,7 @@ from agents.plan import (
     Start,
     Stop,
     Update,
+    Wait,
     Want,
     escalates,
     fingerprint,
@@ -145,7 +146,7 @@ def test_a_snapshot_applied_to_what_it_started_plans_nothing() -> None:
 
 
 def test_wanted_shards_come_first_then_the_ones_to_forget_or_stop() -> None:
-    gone, stale = shard(5), shard(6)
+    gone, stale = shard(5), shard(6, gpu_indices=(1,))
     actions = decide((A,), runs(gone, ShardState.STOPPED), runs(stale))
     assert actions == [Start(A, FP), Forget(5), Stop(6, "is not in the desired state: stopping it")]
 
@@ -198,6 +199,63 @@ def test_two_new_shards_on_one_port_start_once_but_a_refused_one_holds_nothing()
     no_gpu = shard(1, port=20005, gpu_indices=(9,))
     actions = decide((no_gpu, second))
     assert [type(a) for a in actions] == [Refuse, Start]
+
+
+def test_a_gpu_held_by_a_shard_wanted_running_is_refused_with_its_holder() -> None:
+    holder = shard(2, gpu_indices=(1, 0))
+    reason = "GPU(s) [0] already used by shard(s) [2]"
+    assert decide((A, holder), runs(holder)) == [Refuse(A, FP, reason)]
+    assert decide((A, holder), runs(holder, ShardState.STARTING)) == [Refuse(A, FP, reason)]
+    both = shard(3, gpu_indices=(0, 1))
+    assert refusal(both, NODE, {}, {0: 2, 1: 2}) == "GPU(s) [0, 1] already used by shard(s) [2]"
+    # Two new shards on one GPU: the first starts, the second is refused.
+    first, second = shard(1, gpu_indices=(1,)), shard(2, gpu_indices=(1,))
+    assert decide((first, second)) == [
+        Start(first, fingerprint(first)),
+        Refuse(second, fingerprint(second), "GPU(s) [1] already used by shard(s) [1]"),
+    ]
+
+
+LEFT_RUNNING = shard(5, port=A.port)  # A's GPU and port, a replica the control plane stopped
+
+
+@pytest.mark.parametrize(
+    "leaving",
+    [
+        # Not in the desired state: a node back from being lost still runs it.
+        ((), runs(LEFT_RUNNING, ShardState.STARTING)),
+        ((), runs(LEFT_RUNNING, want=Want.STOP)),
+        # Wanted drained or stopped, the process not yet ended.
+        ((replace(LEFT_RUNNING, state=DRAINING),), runs(LEFT_RUNNING, ShardState.DRAINING)),
+        ((replace(LEFT_RUNNING, state=STOPPED),), runs(LEFT_RUNNING, want=Want.STOP)),
+        # Wanted running again but changed: its old incarnation stops first.
+        ((replace(LEFT_RUNNING, generation=2),), runs(LEFT_RUNNING, want=Want.STOP)),
+    ],
+)
+def test_a_shard_waits_for_the_gpu_and_port_of_one_on_its_way_out_then_starts(
+    leaving: tuple[tuple[DesiredShard, ...], RunningShard],
+) -> None:
+    also_wanted, old = leaving
+    waiting = decide((A, *also_wanted), old)
+    assert waiting[0] == Wait(
+        A,
+        FP,
+        "waiting for stopping shards to free port 20001 (shard 5) and GPU(s) [0] (shard(s) [5])",
+    )
+    assert not [a for a in waiting if isinstance(a, Start)]
+    # Its process has ended: the next plan (the supervisor plans when a shard's life ends)
+    # starts the new one.
+    ended = RunningShard(old.spec, old.fingerprint, ShardState.STOPPED, old.want, True)
+    assert decide((A, *also_wanted), ended)[0] == Start(A, FP)
+
+
+def test_only_a_port_or_gpu_a_leaving_shard_holds_makes_a_shard_wait() -> None:
+    old = runs(shard(5, gpu_indices=(1,), port=20008))
+    assert decide((A,), old)[0] == Start(A, FP)
+    only_gpu = runs(shard(5, port=20008))
+    assert decide((A,), only_gpu)[0] == Wait(
+        A, FP, "waiting for stopping shards to free GPU(s) [0] (shard(s) [5])"
+    )
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI
 
-from agents.engines import LaunchContext
+from agents.engines import Launch, LaunchContext
 from agents.gpus import SimulatedGpus, parse_simulated
 from agents.plan import Want
+from agents.processes import Launcher, ProcessHandle, spawn
 from agents.protocol import (
     DesiredShard,
     DesiredShardState,
@@ -35,7 +36,12 @@ async def until(predicate: Callable[[], bool], what: str = "") -> None:
     await await_until(predicate, what=what or "the supervisor")
 
 
-def make_supervisor(tmp_path: Path, *, stop_grace: float = 5.0) -> Supervisor:
+GPUS = 6  # shard N runs on GPU N-1: the agent refuses two shards on one GPU
+
+
+def make_supervisor(
+    tmp_path: Path, *, stop_grace: float = 5.0, launcher: Launcher = spawn
+) -> Supervisor:
     weights = tmp_path / "weights"
     weights.mkdir(exist_ok=True)
     return Supervisor(
@@ -47,7 +53,8 @@ def make_supervisor(tmp_path: Path, *, stop_grace: float = 5.0) -> Supervisor:
             poll_interval=0.1,
             metrics_every=2,
         ),
-        SimulatedGpus(parse_simulated("2x80GiB", "t")),
+        SimulatedGpus(parse_simulated(f"{GPUS}x80GiB", "t")),
+        launcher=launcher,
     )
 
 
@@ -68,7 +75,7 @@ def sim_shard(shard_id: int = 1, **changes: object) -> DesiredShard:
         model=f"tiny-{shard_id}",
         source="models/tiny",
         port=free_port(),
-        gpu_indices=(0,),
+        gpu_indices=(shard_id - 1,),
         startup_timeout_s=20,
         drain_timeout_s=20,
     )
@@ -295,6 +302,43 @@ async def test_shards_left_running_are_adopted_by_the_next_agent(tmp_path: Path)
     finally:
         await second.shutdown(leave_running=False)
     await until(lambda: not alive(pid), what="adopted shard stopped")
+
+
+async def test_a_shard_on_the_gpu_of_an_adopted_one_no_longer_wanted_waits_for_its_end(
+    tmp_path: Path,
+) -> None:
+    """A node back from being lost still runs an engine whose replica the control plane has
+    stopped and whose GPU it has given to a new shard: the new engine starts only once the
+    old one has exited, never beside it on the GPU."""
+    first = make_supervisor(tmp_path)
+    old = sim_shard(1)
+    first.apply(desired(old, epoch=3))
+    await until(lambda: state_of(first) is ShardState.READY)
+    old_pid = first.shards[1].handle.pid  # type: ignore[union-attr]
+    await first.shutdown(leave_running=True)
+
+    alive_at_launch: dict[int, bool] = {}
+
+    async def launcher(
+        spec: DesiredShard, command: Launch, log_path: Path, cwd: Path
+    ) -> ProcessHandle:
+        alive_at_launch[spec.shard_id] = alive(old_pid)
+        return await spawn(spec, command, log_path, cwd)
+
+    second = make_supervisor(tmp_path, launcher=launcher)
+    try:
+        second.recover()
+        new = sim_shard(2, gpu_indices=old.gpu_indices)
+        second.apply(desired(new, epoch=3, revision=2))
+        waiting = second.status().shards[1]
+        assert waiting.state is ShardState.PENDING and waiting.pid is None
+        assert waiting.message == ("waiting for stopping shards to free GPU(s) [0] (shard(s) [1])")
+        await until(lambda: state_of(second, 2) is ShardState.READY, what="new shard ready")
+        assert alive_at_launch == {2: False}
+        assert not alive(old_pid)
+        assert [s.shard_id for s in second.status().shards] == [2]
+    finally:
+        await second.shutdown(leave_running=False)
 
 
 async def test_an_adopted_shard_that_dies_is_reported_failed(tmp_path: Path) -> None:
