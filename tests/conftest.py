@@ -57,7 +57,33 @@ def uses_store(item: pytest.Item) -> bool:
     )
 
 
+# The modules that take longest (summed test time in a full run on a slow machine, longest
+# first). The workers take modules in collection order; one of these taken last would end its
+# pass alone on one core, so they go first. Only the order changes: every module still runs.
+LONGEST_MODULES = (
+    "tests/control/test_cluster_e2e.py",
+    "tests/agents/test_agent_e2e_grpc.py",
+    "tests/agents/test_agent_e2e_websocket.py",
+    "tests/gateway/test_limits_e2e.py",
+    "tests/control/test_fleet_e2e.py",
+    "tests/site/test_health_and_commands.py",
+    "tests/gateway/test_accounting_e2e.py",
+    "tests/site/test_three_edges.py",
+    "tests/site/test_admin_api_schema.py",
+    "tests/site/test_rolling_restart.py",
+    "tests/site/test_agent_listeners_e2e.py",
+    "tests/site/test_broker.py",
+    "tests/site/test_browser.py",
+)
+
+
+def longest_first(items: list[pytest.Item]) -> None:
+    rank = {path: index for index, path in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    longest_first(items)  # a stable sort: the rest keep their order
     if not config.getoption("store_tests_only"):
         return
     storeless = [item for item in items if not uses_store(item)]
