@@ -12,7 +12,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
-from ninja import NinjaAPI
+from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security.http import HttpBearer
 
@@ -21,9 +21,6 @@ from gateway.errors import ApiError, error_response, invalid_key
 from gateway.keys import KeyInfo
 from gateway.responses import Response
 from gateway.routes import RELAY_ROUTES, RelayRoute
-from gateway.upstreams import upstreams
-
-STARTED = int(time.time())
 
 
 class BearerKey(HttpBearer):
@@ -44,9 +41,11 @@ class GatewayApi(NinjaAPI):
         schema = super().get_openapi_schema(*args, **kwargs)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for route in RELAY_ROUTES:
-            body = route.request.model_json_schema(ref_template="#/components/schemas/{model}")
+            body = _schema(route.request).model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
             components.update(body.pop("$defs", {}))
-            components[route.request.__name__] = body
+            components[route.request] = body
         return schema
 
 
@@ -78,15 +77,19 @@ _SSE_EVENT: dict[str, Any] = {
 }
 
 
+def _schema(name: str) -> type[Schema]:
+    """A documented body of ``gateway.schemas`` by the name a relay route gives."""
+    schema: type[Schema] = getattr(schemas, name)
+    return schema
+
+
 def _body_doc(route: RelayRoute) -> dict[str, Any]:
     """The request body ninja cannot see, and for streaming routes both forms of the answer."""
     extra: dict[str, Any] = {
         "requestBody": {
             "required": True,
             "content": {
-                "application/json": {
-                    "schema": {"$ref": f"#/components/schemas/{route.request.__name__}"}
-                }
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{route.request}"}}
             },
         }
     }
@@ -97,7 +100,7 @@ def _body_doc(route: RelayRoute) -> dict[str, Any]:
                 "`data: [DONE]`.",
                 "content": {
                     "application/json": {
-                        "schema": {"$ref": f"#/components/schemas/{route.response.__name__}"}
+                        "schema": {"$ref": f"#/components/schemas/{route.response}"}
                     },
                     "text/event-stream": {"schema": _SSE_EVENT},
                 },
@@ -152,16 +155,10 @@ def _key(request: HttpRequest) -> KeyInfo:
 @api.get(
     "/models", response={200: schemas.ModelList, **_ERRORS}, summary="List models", tags=["models"]
 )
-async def list_models(request: HttpRequest) -> Any:
+async def list_models(request: HttpRequest) -> HttpResponseBase:
     """The models this key may use: the catalog and static endpoints' models."""
-    key = _key(request)
-    table = await upstreams.ready()
-    cards = [
-        {"id": name, "object": "model", "created": STARTED, "owned_by": "llmgw"}
-        for name in table.model_names()
-        if key.may_use(name)
-    ]
-    return {"object": "list", "data": cards}
+    # Under llmgw_site.asgi this path is served by gateway.asgi without ninja (same function).
+    return to_django(await proxy.model_list(_key(request)))
 
 
 def _relay_view(route: RelayRoute) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:
@@ -177,7 +174,7 @@ def _relay_view(route: RelayRoute) -> Callable[[HttpRequest], Awaitable[HttpResp
 for _route in RELAY_ROUTES:
     api.post(
         _route.path.removeprefix("/v1"),
-        response={200: _route.response, **_ERRORS},
+        response={200: _schema(_route.response), **_ERRORS},
         openapi_extra=_body_doc(_route),
         # As ninja names operations after their views (gateway.api.chat_completions ...).
         operation_id="gateway_api_" + _route.path.removeprefix("/v1/").replace("/", "_"),

@@ -1,14 +1,16 @@
-"""The ASGI application that serves ``/v1``: raw ASGI for the relay routes, ninja for the rest.
+"""The ASGI application that serves ``/v1``: raw ASGI for the relay routes and the model list,
+ninja for the rest.
 
 The routes that go to an engine (``gateway.routes``) are answered here without Django: no
 request object, no URL resolver, no middleware, no ``HttpResponse``. This application reads
 the body (refusing one over ``LLMGW_MAX_BODY_BYTES`` with 413 as soon as its declared length,
 or for a chunked upload the bytes received so far, passes the limit), authenticates the key,
 calls ``gateway.proxy.relay`` and writes its ``Response``, a stream chunk by chunk as each
-arrives. Every other ``/v1`` path (the model list, key usage, the OpenAPI document) goes
-through django-ninja, on Django's handler without middleware and request signals: ``/v1``
-authenticates bearer keys itself and touches the database only off the request path, in its
-own thread (see ``gateway.dbthread``), so the stock middleware's thread hops buy nothing.
+arrives; ``GET /v1/models`` too (clients list models often, some as a health check). Every
+other ``/v1`` path (key usage, the OpenAPI document) goes through django-ninja, on Django's
+handler without middleware and request signals: ``/v1`` authenticates bearer keys itself and
+touches the database only off the request path, in its own thread (see ``gateway.dbthread``),
+so the stock middleware's thread hops buy nothing.
 
 Nothing here depends on one ASGI server: uvicorn, granian and daphne all hand the body over
 as it arrives, so the limit holds on each (daphne also gets a guard of its own, because it
@@ -31,6 +33,7 @@ from django.urls import set_script_prefix
 from gateway import keys, proxy
 from gateway.drain import drain
 from gateway.errors import ApiError, error_response, invalid_key, openai_shaped, too_large
+from gateway.keys import KeyInfo
 from gateway.responses import Response
 from gateway.routes import BY_PATH, RelayRoute
 
@@ -96,13 +99,21 @@ async def send_answer(response: Response, send: Send) -> None:
 async def _answer(
     route: RelayRoute, authorization: bytes | None, body: bytes, clock_start: float
 ) -> Response:
+    key = await _key_or_refusal(authorization)
+    return key if isinstance(key, Response) else await proxy.relay(body, key, route, clock_start)
+
+
+async def _key_or_refusal(authorization: bytes | None) -> KeyInfo | Response:
     try:
         key = await keys.authenticate(authorization.decode("latin-1") if authorization else None)
     except ApiError as error:
         return error_response(error)
-    if key is None:
-        return error_response(invalid_key())
-    return await proxy.relay(body, key, route, clock_start)
+    return error_response(invalid_key()) if key is None else key
+
+
+async def _models(authorization: bytes | None) -> Response:
+    key = await _key_or_refusal(authorization)
+    return key if isinstance(key, Response) else await proxy.model_list(key)
 
 
 async def _relay(
@@ -205,6 +216,9 @@ class V1App:
         route = BY_PATH.get(scope["path"]) if scope["method"] == "POST" else None
         if route is not None:
             await _relay(route, authorization, body, clock_start, receive=receive, send=send)
+        elif scope["path"] == "/v1/models" and scope["method"] == "GET":
+            # Clients list models often (as a health check, too): no ninja, no Django.
+            await send_answer(await _models(authorization), send)
         else:
             await self._django.respond(scope, body, send)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import secrets
@@ -281,6 +282,22 @@ async def relay(body: bytes, key: KeyInfo, api_route: RelayRoute, clock_start: f
         return error_response(
             ApiError(500, "The gateway failed on this request.", "internal_error"), request_id
         )
+
+
+# A model card's "created": when this process started (the catalog keeps no such date).
+STARTED = int(time.time())
+
+
+async def model_list(key: KeyInfo) -> Response:
+    """``GET /v1/models``: the models ``key`` may use, the catalog's and static endpoints'."""
+    table = await upstreams.ready()
+    cards = [
+        {"id": name, "object": "model", "created": STARTED, "owned_by": "llmgw"}
+        for name in table.model_names()
+        if key.may_use(name)
+    ]
+    body = json.dumps({"object": "list", "data": cards}, separators=(",", ":")).encode()
+    return responses.whole(200, body)
 
 
 def _cut_short() -> str:

@@ -1,5 +1,7 @@
-"""The llmgw Django project: settings, URLs, the ASGI application and the Celery app."""
+"""The llmgw Django project: settings, URLs, the ASGI application and the Celery app.
 
-from llmgw_site.celery import app as celery_app
-
-__all__ = ["celery_app"]
+The Celery app (``llmgw_site.celery``) is not imported here, as Django projects usually do:
+``celery -A llmgw_site`` finds it by that module's name, and a web process imports it only when
+it first asks for an early reconcile tick. Celery is a fifth of a web process's start (measured
+in the commit that moved it), paid again by every web process a rolling restart starts.
+"""

@@ -4,6 +4,8 @@ handler, not ``GatewayHandler``'s fast path): the same answers either way."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from django.test import AsyncClient
 
 from gateway.upstreams import upstreams
 from gateway.usage import recorder
-from tests.harness.factories import make_key
+from tests.harness.factories import make_key, serve_model
 from tests.harness.live import close_db_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,3 +53,65 @@ async def test_the_ninja_views_answer_like_the_fast_path() -> None:
     assert json.loads(wrong_type.content)["error"]["param"] == "model"
     listing = await client.get("/v1/models", headers=auth)
     assert listing.status_code == 200 and json.loads(listing.content)["object"] == "list"
+
+
+async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tuple[int, bytes]:
+    """One request through ``gateway.asgi``'s application, as a server would hand it over,
+    failing if the application hands it to Django's handler."""
+    from gateway.asgi import V1App
+
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    scope |= {"query_string": b"", "root_path": "", "server": ("127.0.0.1", 80)}
+    scope |= {"client": ("127.0.0.1", 5), "scheme": "http", "http_version": "1.1"}
+    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    async def not_through_django(*args: Any) -> None:
+        raise AssertionError(f"{method} {path} went to Django's handler (ninja)")
+
+    app = V1App()
+    app._django.respond = not_through_django  # type: ignore[method-assign]
+    await app(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def test_the_model_list_is_answered_without_ninja_as_ninja_answers_it() -> None:
+    key, _ = await sync_to_async(make_key)()
+    narrow, _ = await sync_to_async(make_key)(models=["chat-b"])
+    await sync_to_async(serve_model)("chat-a", [9])
+    await sync_to_async(serve_model)("chat-b", [9])
+    await upstreams.refresh()
+    for each in (key, narrow):
+        status, body = await call_v1("/v1/models", key=each)
+        ninja = await AsyncClient().get("/v1/models", headers={"Authorization": f"Bearer {each}"})
+        assert status == ninja.status_code == 200
+        assert json.loads(body) == json.loads(ninja.content)
+    assert [m["id"] for m in json.loads(body)["data"]] == ["chat-b"]
+    for bad in (None, key + "x", "not-a-key"):
+        status, body = await call_v1("/v1/models", key=bad)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+def test_a_web_process_serving_v1_imports_neither_ninja_nor_celery() -> None:
+    """Together a third of a web process's start: ninja is for the OpenAPI document and key
+    usage, Celery for an early reconcile tick, both imported on first use."""
+    script = """
+import asyncio, sys
+import llmgw_site.asgi
+from tests.gateway.test_gateway_api import call_v1
+assert asyncio.run(call_v1("/v1/models"))[0] == 401
+assert asyncio.run(call_v1("/v1/chat/completions", "POST"))[0] == 401
+print(sorted(m for m in ("ninja", "pydantic", "celery", "kombu") if m in sys.modules))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
