@@ -245,13 +245,12 @@ def plan(
                     start(spec, fp)
             elif rt.fingerprint != fp and escalates(rt.want, Want.STOP):
                 actions.append(Stop(shard_id, "changed: restarting it"))
-        elif spec.state is DesiredShardState.DRAINING:
-            if rt is None:
-                actions.append(RecordStopped(spec, fp))
-            elif not rt.finished and escalates(rt.want, Want.DRAIN):
-                actions.append(Drain(shard_id))
-        elif rt is None:
+        elif rt is None or (rt.finished and rt.state is ShardState.PENDING):
+            # Never started (or waiting to): nothing runs, so it is simply stopped.
             actions.append(RecordStopped(spec, fp))
+        elif spec.state is DesiredShardState.DRAINING:
+            if not rt.finished and escalates(rt.want, Want.DRAIN):
+                actions.append(Drain(shard_id))
         elif not rt.finished and escalates(rt.want, Want.STOP):
             actions.append(Stop(shard_id))
     for shard_id, rt in running.items():

@@ -118,7 +118,13 @@ A_STOPS = replace(A, state=STOPPED)
         ((A_STOPS,), (runs(A_DRAINS, ShardState.DRAINING, Want.DRAIN),),
          [Update(A_STOPS), Stop(1)]),
         ((A_STOPS,), (runs(A_STOPS, ShardState.STOPPED),), []),
+        # Waiting to start (for a GPU or port), then asked to drain or stop: simply stopped.
+        ((A_DRAINS,), (runs(A, ShardState.PENDING, finished=True),),
+         [Update(A_DRAINS), RecordStopped(A_DRAINS, FP)]),
+        ((A_STOPS,), (runs(A, ShardState.PENDING, finished=True),),
+         [Update(A_STOPS), RecordStopped(A_STOPS, FP)]),
         # Not wanted at all.
+        ((), (runs(A, ShardState.PENDING, finished=True),), [Forget(1)]),
         ((), (runs(A),), [Stop(1, "is not in the desired state: stopping it")]),
         ((), (runs(A, want=Want.STOP),), []),
         ((), (runs(A, ShardState.STOPPED),), [Forget(1)]),
