@@ -279,11 +279,9 @@ def request_tick() -> None:
     try:
         # Imported here: most web processes never ask (only a request for a model with no
         # ready replica does), and Celery is a fifth of a web process's start.
-        from llmgw_site.celery import app
+        from llmgw_site.celery import app  # noqa: PLC0415
 
-        app.send_task(
-            RECONCILE_TASK, expires=settings.LLMGW_RECONCILE_INTERVAL, retry=False
-        )
+        app.send_task(RECONCILE_TASK, expires=settings.LLMGW_RECONCILE_INTERVAL, retry=False)
     except Exception as exc:  # a broker that is down must not fail the request path
         logger.warning("could not ask for an early reconcile tick: %s", type(exc).__name__)
 

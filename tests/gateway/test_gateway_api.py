@@ -61,7 +61,7 @@ async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tup
     from gateway.asgi import V1App
 
     headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
-    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    scope: dict[str, Any] = {"type": "http", "method": method, "path": path, "headers": headers}
     scope |= {"query_string": b"", "root_path": "", "server": ("127.0.0.1", 80)}
     scope |= {"client": ("127.0.0.1", 5), "scheme": "http", "http_version": "1.1"}
     messages = [{"type": "http.request", "body": b"", "more_body": False}]
@@ -77,7 +77,7 @@ async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tup
         raise AssertionError(f"{method} {path} went to Django's handler (ninja)")
 
     app = V1App()
-    app._django.respond = not_through_django  # type: ignore[method-assign]
+    app._django.respond = not_through_django  # type: ignore[method-assign,assignment]
     await app(scope, receive, send)
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
