@@ -7,6 +7,10 @@ from llmgw_site import sso
 from llmgw_site.admin_api.api import api as admin_api
 from llmgw_site.views import dashboard_data, metrics_view
 
+# The admin's registrations (every app's admin.py), here rather than when the apps are ready:
+# see INSTALLED_APPS. Django's system checks load this URLconf, so they check them as before.
+admin.autodiscover()
+
 urlpatterns = [
     path("v1/", gateway_api.urls),
     path("api/admin/v1/", admin_api.urls),
