@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 from celery import Celery
@@ -17,3 +18,7 @@ TRANSPORT_ALIASES.setdefault(broker.ALIAS, "llmgw_site.broker:Transport")
 app = Celery("llmgw")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+# A web process imports this module on first use (an early reconcile tick), after it froze what
+# it had loaded at start (gateway.upstreams): Celery's objects are kept out of the cyclic
+# collector's full scans too.
+gc.freeze()
