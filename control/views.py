@@ -19,14 +19,17 @@ def _database_reachable() -> bool:
         return False
 
 
-async def healthz(request: HttpRequest) -> JsonResponse:
+async def health() -> tuple[int, dict[str, str]]:
     """Liveness and readiness for load balancers: 200 when the store answers, else 503."""
     reachable = await sync_to_async(_database_reachable)()
-    return JsonResponse(
-        {
-            "status": "ok" if reachable else "degraded",
-            "version": settings.LLMGW_VERSION,
-            "database": "reachable" if reachable else "unreachable",
-        },
-        status=200 if reachable else 503,
-    )
+    return 200 if reachable else 503, {
+        "status": "ok" if reachable else "degraded",
+        "version": settings.LLMGW_VERSION,
+        "database": "reachable" if reachable else "unreachable",
+    }
+
+
+async def healthz(request: HttpRequest) -> JsonResponse:
+    """``/healthz`` where Django serves it (``llmgw_site.asgi`` answers it without Django)."""
+    status, body = await health()
+    return JsonResponse(body, status=status)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -187,6 +188,31 @@ async def _tell_cut(send: Send, *, started: bool) -> None:
 
 V1_URLCONF = "gateway.v1_urls"
 
+_imported: set[str] = set()
+_importing: dict[str, asyncio.Future[object]] = {}
+
+
+async def imported(module: str) -> None:
+    """Import ``module`` in a thread, once, however many requests ask at the same time.
+
+    The URLconfs a web process loads on first use (ninja's ``/v1`` operations, the site's
+    admin) take most of a second of imports on a slow machine. Django would import them on the
+    event loop, stalling every request in flight meanwhile; in a thread, the loop keeps turning.
+    """
+    if module in _imported:
+        return
+    importing = _importing.get(module)
+    if importing is None:
+        importing = _importing[module] = asyncio.ensure_future(
+            asyncio.to_thread(importlib.import_module, module)
+        )
+    try:
+        await asyncio.shield(importing)
+    except Exception:
+        _importing.pop(module, None)  # Django imports it again and answers with the error
+        return
+    _imported.add(module)
+
 
 class V1App:
     """``/v1``: the relay routes here, everything else through django-ninja."""
@@ -236,6 +262,7 @@ class _DjangoV1Handler(ASGIHandler):
         )
 
     async def respond(self, scope: Scope, body: bytes, send: Send) -> None:
+        await imported(V1_URLCONF)
         set_script_prefix(scope.get("root_path", "") or "/")
         request = _request(scope, body)
         if request is None:

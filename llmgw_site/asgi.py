@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -19,13 +20,15 @@ django_asgi = get_asgi_application()
 
 from asgiref.sync import sync_to_async  # noqa: E402
 from channels.routing import URLRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from control.routing import websocket_urlpatterns  # noqa: E402
+from control.views import health  # noqa: E402
 from gateway import proxy  # noqa: E402
-from gateway.asgi import V1App, send_answer  # noqa: E402
+from gateway.asgi import V1App, imported, send_answer  # noqa: E402
 from gateway.drain import drain  # noqa: E402
-from gateway.responses import Response  # noqa: E402
+from gateway.responses import Response, whole  # noqa: E402
 from gateway.usage import recorder  # noqa: E402
 from llmgw_site import listeners, metrics  # noqa: E402
 from llmgw_site.views import scrape  # noqa: E402
@@ -73,13 +76,26 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         elif path == "/healthz" and drain.draining:
             await send_answer(DRAINING, send)
         else:
-            await site(scope, receive, send)
+            await site_request(scope, receive, send)
     elif kind == "websocket":
         await agent_streams(scope, receive, send)
     elif kind == "lifespan":
         await lifespan(receive, send)
     else:
         raise ValueError(f"no application for ASGI scope type {kind!r}")
+
+
+async def site_request(scope: Scope, receive: Receive, send: Send) -> None:
+    """Django's site: the admin, its dashboard, the account pages; ``/healthz`` without it, as
+    balancers call it often and a process that serves only ``/v1`` need never load the site's
+    URLconf (the admin, ninja and the rest: most of a second of imports, off the event loop
+    when a first admin request does load it)."""
+    if scope["type"] == "http" and scope["path"] == "/healthz":
+        status, body = await health()
+        await send_answer(whole(status, json.dumps(body).encode()), send)
+        return
+    await imported(settings.ROOT_URLCONF)
+    await site(scope, receive, send)
 
 
 def closing(send: Send) -> Send:
@@ -111,7 +127,7 @@ async def split_application(scope: Scope, receive: Receive, send: Send) -> None:
     elif kind == "http" and path == "/healthz" and drain.draining:
         await send_answer(DRAINING, send)
     elif answer is listeners.Answer.SITE:
-        await site(scope, receive, send)
+        await site_request(scope, receive, send)
     elif answer is listeners.Answer.OPEN_METRICS:
         await open_metrics(scope, send)
     elif answer is listeners.Answer.AGENTS:

@@ -3,9 +3,11 @@ handler, not ``GatewayHandler``'s fast path): the same answers either way."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,56 @@ async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tup
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
 
+async def call_site(path: str) -> tuple[int, bytes]:
+    """One GET through the web process's whole application (``llmgw_site.asgi``)."""
+    from llmgw_site.asgi import application
+
+    scope: dict[str, Any] = {"type": "http", "method": "GET", "path": path, "headers": []}
+    scope |= {"query_string": b"", "root_path": "", "server": ("127.0.0.1", 80)}
+    scope |= {"client": ("127.0.0.1", 5), "scheme": "http", "http_version": "1.1"}
+    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    await application(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def test_healthz_answers_as_the_django_view_does() -> None:
+    from django.test import AsyncClient
+
+    status, body = await call_site("/healthz")
+    view = await AsyncClient().get("/healthz")
+    assert status == view.status_code == 200
+    assert json.loads(body) == json.loads(view.content)
+    assert json.loads(body)["database"] == "reachable"
+
+
+async def test_a_module_loaded_on_first_use_is_imported_once_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a URLconf's first import costs is not spent on the event loop, where every request
+    in flight would wait for it, and concurrent first requests import it once."""
+    from gateway.asgi import imported
+
+    (tmp_path / "slow_urls.py").write_text(
+        "import threading, time\nIMPORTS.append(threading.get_ident())\ntime.sleep(0.2)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    imports: list[int] = []
+    monkeypatch.setattr("builtins.IMPORTS", imports, raising=False)
+    monkeypatch.delitem(sys.modules, "slow_urls", raising=False)
+    await asyncio.gather(*(imported("slow_urls") for _ in range(5)))
+    await imported("slow_urls")
+    assert len(imports) == 1 and imports[0] != threading.get_ident()
+    assert "slow_urls" in sys.modules
+
+
 async def test_the_model_list_is_answered_without_ninja_as_ninja_answers_it() -> None:
     key, _ = await sync_to_async(make_key)()
     narrow, _ = await sync_to_async(make_key)(models=["chat-b"])
@@ -99,16 +151,19 @@ async def test_the_model_list_is_answered_without_ninja_as_ninja_answers_it() ->
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
 
 
-def test_a_web_process_serving_v1_imports_neither_ninja_nor_celery() -> None:
-    """Together a third of a web process's start: ninja is for the OpenAPI document and key
-    usage, Celery for an early reconcile tick, both imported on first use."""
+def test_a_web_process_serving_v1_and_healthz_imports_neither_ninja_celery_nor_the_admin() -> None:
+    """Together nearly half of a web process's start: ninja is for the OpenAPI document and key
+    usage, Celery for an early reconcile tick, the admin for its pages: each imported on first
+    use."""
     script = """
 import asyncio, sys
 import llmgw_site.asgi
-from tests.gateway.test_gateway_api import call_v1
+from tests.gateway.test_gateway_api import call_site, call_v1
 assert asyncio.run(call_v1("/v1/models"))[0] == 401
 assert asyncio.run(call_v1("/v1/chat/completions", "POST"))[0] == 401
-print(sorted(m for m in ("ninja", "pydantic", "celery", "kombu") if m in sys.modules))
+assert asyncio.run(call_site("/healthz"))[0] in (200, 503)  # 503: no store in this process
+loaded = ("ninja", "pydantic", "celery", "kombu", "llmgw_site.urls", "gateway.admin")
+print(sorted(m for m in loaded if m in sys.modules))
 """
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
