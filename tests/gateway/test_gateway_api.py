@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +57,13 @@ async def test_the_ninja_views_answer_like_the_fast_path() -> None:
     assert listing.status_code == 200 and json.loads(listing.content)["object"] == "list"
 
 
-async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tuple[int, bytes]:
-    """One request through ``gateway.asgi``'s application, as a server would hand it over,
-    failing if the application hands it to Django's handler."""
-    from gateway.asgi import V1App
+Asgi = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
+
+async def call_asgi(
+    app: Asgi, path: str, method: str = "GET", key: str | None = None
+) -> tuple[int, bytes]:
+    """One bodiless request through an ASGI application, as a server would hand it over."""
     headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
     scope: dict[str, Any] = {"type": "http", "method": method, "path": path, "headers": headers}
     scope |= {"query_string": b"", "root_path": "", "server": ("127.0.0.1", 80)}
@@ -75,33 +77,28 @@ async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tup
     async def send(message: Any) -> None:
         sent.append(dict(message))
 
+    await app(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tuple[int, bytes]:
+    """One request through ``gateway.asgi``'s application, failing if the application hands it
+    to Django's handler."""
+    from gateway.asgi import V1App
+
     async def not_through_django(*args: Any) -> None:
         raise AssertionError(f"{method} {path} went to Django's handler (ninja)")
 
     app = V1App()
     app._django.respond = not_through_django  # type: ignore[method-assign,assignment]
-    await app(scope, receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+    return await call_asgi(app, path, method, key)
 
 
 async def call_site(path: str) -> tuple[int, bytes]:
     """One GET through the web process's whole application (``llmgw_site.asgi``)."""
     from llmgw_site.asgi import application
 
-    scope: dict[str, Any] = {"type": "http", "method": "GET", "path": path, "headers": []}
-    scope |= {"query_string": b"", "root_path": "", "server": ("127.0.0.1", 80)}
-    scope |= {"client": ("127.0.0.1", 5), "scheme": "http", "http_version": "1.1"}
-    messages = [{"type": "http.request", "body": b"", "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: Any) -> None:
-        sent.append(dict(message))
-
-    await application(scope, receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+    return await call_asgi(application, path)
 
 
 async def test_healthz_answers_as_the_django_view_does() -> None:
