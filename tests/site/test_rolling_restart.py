@@ -7,6 +7,7 @@ in ``LLMGW_STATIC_ENDPOINTS``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import signal
@@ -174,21 +175,23 @@ def assert_clean(seen: Traffic) -> None:
 
 
 def test_listeners_split_by_role(run: Run) -> None:
+    # A web process imports the admin on its first admin page (most of a second on a slow
+    # machine, several under the suite's load): more than httpx's 5 s default may pass.
+    get = functools.partial(httpx.get, timeout=60)
     client_port = run.url
     admin = f"http://127.0.0.1:{run.admin_port}"
     metrics = f"http://127.0.0.1:{run.metrics_port}"
-    assert httpx.get(client_port + "/admin/login/").status_code == 404
-    assert httpx.get(client_port + "/account/").status_code == 404
-    assert httpx.get(client_port + "/metrics").status_code == 404
-    assert httpx.get(client_port + "/healthz").status_code == 200
-    assert httpx.get(admin + "/admin/login/").status_code == 200
+    assert get(client_port + "/admin/login/").status_code == 404
+    assert get(client_port + "/account/").status_code == 404
+    assert get(client_port + "/metrics").status_code == 404
+    assert get(client_port + "/healthz").status_code == 200
+    assert get(admin + "/admin/login/").status_code == 200
     assert (
-        httpx.get(admin + "/v1/models", headers={"Authorization": f"Bearer {run.key}"}).status_code
-        == 404
+        get(admin + "/v1/models", headers={"Authorization": f"Bearer {run.key}"}).status_code == 404
     )
-    assert httpx.get(metrics + "/admin/login/").status_code == 404
-    assert httpx.get(metrics + "/v1/models").status_code == 404
-    scraped = httpx.get(metrics + "/metrics")
+    assert get(metrics + "/admin/login/").status_code == 404
+    assert get(metrics + "/v1/models").status_code == 404
+    scraped = get(metrics + "/metrics")
     assert scraped.status_code == 200
     assert "llmgw_" in scraped.text
     checked = subprocess.run(
