@@ -150,7 +150,7 @@ def refusal(
     spec: DesiredShard,
     node: NodeFacts,
     busy_ports: Mapping[int, int],
-    busy_gpus: Mapping[int, int] | None = None,
+    busy_gpus: Mapping[int, int],
 ) -> str:
     """Why this node cannot run ``spec``, or ''. ``busy_ports`` and ``busy_gpus`` map a port
     or GPU index to the shard that holds it and keeps it."""
@@ -164,7 +164,7 @@ def refusal(
     if missing:
         have = ",".join(str(i) for i in sorted(node.gpus)) or "none"
         return f"GPU(s) {missing} do not exist on this node (it has {have})"
-    taken = _held(spec, spec.gpu_indices, busy_gpus or {})
+    taken = _held(spec, spec.gpu_indices, busy_gpus)
     if taken:
         return f"GPU(s) {sorted(taken)} already used by shard(s) {sorted(set(taken.values()))}"
     return ""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -198,6 +199,7 @@ async def imported(module: str) -> None:
     The URLconfs a web process loads on first use (ninja's ``/v1`` operations, the site's
     admin) take most of a second of imports on a slow machine. Django would import them on the
     event loop, stalling every request in flight meanwhile; in a thread, the loop keeps turning.
+    Once imported, what they loaded is kept out of the cyclic collector's scans.
     """
     if module in _imported:
         return
@@ -211,7 +213,12 @@ async def imported(module: str) -> None:
     except Exception:
         _importing.pop(module, None)  # Django imports it again and answers with the error
         return
-    _imported.add(module)
+    if module not in _imported:
+        _imported.add(module)
+        # The process froze what it loaded at start (gateway.upstreams); what came now is
+        # frozen too, so that full collections do not scan it (about 60,000 objects for the
+        # site's URLconf: some 30 ms a collection here, a stall for every request in flight).
+        gc.freeze()
 
 
 class V1App:

@@ -1,5 +1,3 @@
-import gc
-
 from django.contrib import admin
 from django.urls import include, path
 
@@ -27,9 +25,3 @@ urlpatterns = [
     path("oidc/callback/", sso.Callback.as_view(), name="oidc_authentication_callback"),
     path("signed-in/", sso.signed_in, name="signed-in"),
 ]
-
-# Loaded on a web process's first request outside /v1, after the process froze what it had
-# loaded at start (gateway.upstreams): freeze again, so that the admin's and ninja's objects
-# are kept out of the cyclic collector's full scans too (unfrozen, they made each one take
-# about 30 ms here, a stall for every request in flight).
-gc.freeze()

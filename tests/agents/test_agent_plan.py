@@ -171,7 +171,7 @@ def test_wanted_shards_come_first_then_the_ones_to_forget_or_stop() -> None:
 def test_a_shard_this_node_cannot_run_is_refused_with_the_reason(
     spec: DesiredShard, reason: str
 ) -> None:
-    assert refusal(spec, NODE, {}) == reason
+    assert refusal(spec, NODE, {}, {}) == reason
     expected: Action = (
         Refuse(spec, fingerprint(spec), reason) if reason else Start(spec, fingerprint(spec))
     )
@@ -179,7 +179,7 @@ def test_a_shard_this_node_cannot_run_is_refused_with_the_reason(
 
 
 def test_no_gpu_at_all_is_said_plainly() -> None:
-    assert refusal(shard(1), replace(NODE, gpus=frozenset()), {}) == (
+    assert refusal(shard(1), replace(NODE, gpus=frozenset()), {}, {}) == (
         "GPU(s) [0] do not exist on this node (it has none)"
     )
 

@@ -1,5 +1,6 @@
 """The ninja operations behind ``/v1``, called through Django's own test client (the stock
-handler, not ``GatewayHandler``'s fast path): the same answers either way."""
+handler), against what ``gateway.asgi`` and ``llmgw_site.asgi`` answer without Django: the same
+answers either way; and what a web process imports only on first use."""
 
 from __future__ import annotations
 
@@ -102,8 +103,6 @@ async def call_site(path: str) -> tuple[int, bytes]:
 
 
 async def test_healthz_answers_as_the_django_view_does() -> None:
-    from django.test import AsyncClient
-
     status, body = await call_site("/healthz")
     view = await AsyncClient().get("/healthz")
     assert status == view.status_code == 200
@@ -148,6 +147,15 @@ async def test_the_model_list_is_answered_without_ninja_as_ninja_answers_it() ->
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
 
 
+def fresh_python(script: str) -> str:
+    """What ``script`` prints, run in an interpreter that has imported nothing yet."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 def test_a_web_process_serving_v1_and_healthz_imports_neither_ninja_celery_nor_the_admin() -> None:
     """Together nearly half of a web process's start: ninja is for the OpenAPI document and key
     usage, Celery for an early reconcile tick, the admin for its pages: each imported on first
@@ -162,11 +170,7 @@ assert asyncio.run(call_site("/healthz"))[0] in (200, 503)  # 503: no store in t
 loaded = ("ninja", "pydantic", "celery", "kombu", "llmgw_site.urls", "gateway.admin")
 print(sorted(m for m in loaded if m in sys.modules))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert fresh_python(script) == "[]"
 
 
 def test_what_a_web_process_loads_on_first_use_is_kept_out_of_full_collections() -> None:
@@ -174,14 +178,15 @@ def test_what_a_web_process_loads_on_first_use_is_kept_out_of_full_collections()
     Celery come later, on first use, and are frozen then: unfrozen, they made every full
     collection scan some 60,000 objects, a stall for each request in flight."""
     script = """
-import gc
+import asyncio, gc
 import llmgw_site.asgi
+from gateway.asgi import imported
 gc.freeze()  # as the process does once it is ready
-import gateway.v1_urls, llmgw_site.urls, llmgw_site.celery
+import llmgw_site.celery  # as the first early reconcile tick does
+print(len(gc.get_objects()))
+asyncio.run(imported("gateway.v1_urls"))  # as the first request that needs each does
+asyncio.run(imported("llmgw_site.urls"))
 print(len(gc.get_objects()))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout) < 1_000
+    after_celery, after_urlconfs = map(int, fresh_python(script).split())
+    assert after_celery < 1_000 and after_urlconfs < 1_000
