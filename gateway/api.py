@@ -111,6 +111,7 @@ def _body_doc(route: RelayRoute) -> dict[str, Any]:
 
 def to_django(response: Response) -> HttpResponseBase:
     """The relay's answer as a Django response, for the ninja operations."""
+    response.settled()  # Django writes the answer later, out of sight: settle it now
     answer: HttpResponseBase
     if response.stream is not None:
         answer = StreamingHttpResponse(response.stream, status=response.status)

@@ -85,13 +85,21 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 
 
 async def send_answer(response: Response, send: Send) -> None:
-    """Write a relay answer; a stream's chunks go out as they come, never collected."""
+    """Write a relay answer; a stream's chunks go out as they come, never collected. What
+    follows the answer (``Response.after``) runs once it is written, or once writing failed
+    (the client gone, this process's stop cutting it): not before, so the client does not
+    wait for it."""
+    if response.stream is None:
+        try:
+            start = {"type": "http.response.start", "status": response.status}
+            await send({**start, "headers": response.headers})
+            await send({"type": "http.response.body", "body": response.body})
+        finally:
+            response.settled()
+        return
     await send(
         {"type": "http.response.start", "status": response.status, "headers": response.headers}
     )
-    if response.stream is None:
-        await send({"type": "http.response.body", "body": response.body})
-        return
     async with contextlib.aclosing(response.stream) as parts:
         async for part in parts:
             await send({"type": "http.response.body", "body": part, "more_body": True})

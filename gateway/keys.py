@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -43,6 +44,10 @@ _KEY_RE = re.compile(r"llmgw-[A-Za-z0-9_-]{43}")
 _CACHE_MAX = 50_000
 # How long past its TTL a cached key is still trusted while the store cannot be reached.
 STALE_FOR_S = 600.0
+# A key a request used within this long is kept loaded (see KeyCache); the batch that reloads
+# them runs at most this often, whatever the TTL.
+KEEP_WARM_S = 600.0
+MIN_REFRESH_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -167,32 +172,73 @@ def parse_expiry(text: str, *, now: datetime | None = None) -> datetime:
 
 
 def _load(key_hash: str) -> KeyInfo | None:
-    # Runs in the database thread (see gateway.dbthread). Two one-table queries rather than a
-    # join, for the reason in gateway.upstreams.load_table (no lock cycle with DDL/TRUNCATE).
+    return _load_many([key_hash]).get(key_hash)
+
+
+# A batch's hashes go into one IN (...) list up to this many (SQLite allows 32,766 variables).
+_BATCH = 500
+
+
+def _load_many(key_hashes: list[str]) -> dict[str, KeyInfo | None]:
+    """What the store says of each key now; None for a hash no key has. Runs in the database
+    thread (see gateway.dbthread): four queries whatever the number of keys, each on one table
+    or one join, not a join of all four (for the reason in gateway.upstreams.load_table: no
+    lock cycle with DDL/TRUNCATE)."""
     dbthread.ready()
-    row = (
-        ApiKey.objects.filter(key_hash=key_hash)
-        .values_list(
-            "id",
-            "user_id",
-            "prefix",
-            "allowed_models",
-            "rpm_limit",
-            "tpm_limit",
-            "token_budget",
-            "budget_period",
-            "expires_at",
-            "revoked_at",
+    found: dict[str, KeyInfo | None] = dict.fromkeys(key_hashes)
+    for at in range(0, len(key_hashes), _BATCH):
+        rows = list(
+            ApiKey.objects.filter(key_hash__in=key_hashes[at : at + _BATCH]).values_list(
+                "key_hash",
+                "id",
+                "user_id",
+                "prefix",
+                "allowed_models",
+                "rpm_limit",
+                "tpm_limit",
+                "token_budget",
+                "budget_period",
+                "expires_at",
+                "revoked_at",
+            )
         )
-        .first()
+        owners = _owners({row[2] for row in rows})
+        for key_hash, *row in rows:
+            found[key_hash] = _key_info(row, owners)
+    return found
+
+
+@dataclass(frozen=True)
+class _Owner:
+    active: bool
+    scopes: list[tuple[list[str], Scope]]  # the owner's and teams' (model list, scope) each
+
+
+def _owners(user_ids: set[int]) -> dict[int, _Owner]:
+    """Whether each user is active, and their own and their teams' limits."""
+    if not user_ids:
+        return {}
+    active = dict(get_user_model().objects.filter(pk__in=user_ids).values_list("pk", "is_active"))
+    scopes: dict[int, list[tuple[list[str], Scope]]] = {user_id: [] for user_id in user_ids}
+    own = UserLimits.objects.filter(user_id__in=user_ids).values_list("user_id", *_LIMIT_FIELDS)
+    for user_id, models, rpm, tpm, budget, period in own:
+        scope = Scope(f"user:{user_id}", "your account", rpm, tpm, budget, period)
+        scopes[user_id].append((list(models or []), scope))
+    teams = TeamLimits.objects.filter(team__user__id__in=user_ids).values_list(
+        "team__user__id", "team_id", "team__name", *_LIMIT_FIELDS
     )
-    if row is None:
-        return None
+    for user_id, team_id, name, models, rpm, tpm, budget, period in teams:
+        scope = Scope(f"team:{team_id}", f"team '{name}'", rpm, tpm, budget, period)
+        scopes[user_id].append((list(models or []), scope))
+    # A user deleted meanwhile is an inactive owner: the key stops working like a revoked one.
+    return {u: _Owner(active.get(u, False), scopes[u]) for u in user_ids}
+
+
+def _key_info(row: list[Any], owners: dict[int, _Owner]) -> KeyInfo:
     (id_, user_id, prefix, models, rpm, tpm, budget, period, expires, revoked) = row
-    active = get_user_model().objects.filter(pk=user_id).values_list("is_active", flat=True).first()
+    owner = owners.get(user_id) or _Owner(False, [])
     key_scope = Scope(f"key:{prefix}", "this key", rpm, tpm, budget, period)
-    people = _owner_scopes(user_id)
-    limited, allowed = narrowest_models([list(models or []), *(m for m, _ in people)])
+    limited, allowed = narrowest_models([list(models or []), *(m for m, _ in owner.scopes)])
     return KeyInfo(
         id=id_,
         user_id=user_id,
@@ -204,41 +250,28 @@ def _load(key_hash: str) -> KeyInfo | None:
         budget_period=period,
         expires_at=expires.timestamp() if expires else None,
         # A deactivated (or deleted) owner's keys stop working like revoked ones.
-        revoked=revoked is not None or not active,
+        revoked=revoked is not None or not owner.active,
         models_limited=limited,
-        scopes=tuple(s for s in (key_scope, *(s for _, s in people)) if s.limited),
+        scopes=tuple(s for s in (key_scope, *(s for _, s in owner.scopes)) if s.limited),
     )
 
 
 _LIMIT_FIELDS = ("allowed_models", "rpm_limit", "tpm_limit", "token_budget", "budget_period")
 
 
-def _owner_scopes(user_id: int) -> list[tuple[list[str], Scope]]:
-    """The owner's and the owner's teams' limits: (model list, scope) each."""
-    found: list[tuple[list[str], Scope]] = []
-    own = UserLimits.objects.filter(user_id=user_id).values_list(*_LIMIT_FIELDS).first()
-    if own is not None:
-        models, rpm, tpm, budget, period = own
-        found.append((list(models or []), Scope(f"user:{user_id}", "your account", rpm, tpm,
-                                                 budget, period)))  # fmt: skip
-    teams = TeamLimits.objects.filter(team__user__id=user_id).values_list(
-        "team_id", "team__name", *_LIMIT_FIELDS
-    )
-    for team_id, name, models, rpm, tpm, budget, period in teams:
-        scope = Scope(f"team:{team_id}", f"team '{name}'", rpm, tpm, budget, period)
-        found.append((list(models or []), scope))
-    return found
-
-
 class KeyCache:
     """Hash → (KeyInfo or None, loaded at). Misses are cached too, so a flood of bad keys
     cannot turn into a flood of queries.
 
-    An entry is trusted for ``LLMGW_KEY_CACHE_TTL`` seconds. Past half of that, a request
-    still gets the cached answer and the entry is reloaded in the background (once), so a key
-    in steady use never waits for the database: measured, a request that did wait queued
-    behind the database thread's usage batch and took 100+ ms at p99. Past the whole TTL the
-    lookup waits for a fresh load, so a revocation still takes effect within the TTL.
+    An entry is trusted for ``LLMGW_KEY_CACHE_TTL`` seconds; past that a lookup waits for a
+    fresh load, so a revocation takes effect within the TTL. So that no request waits for the
+    database on a key in use, the keys requests used within ``KEEP_WARM_S`` are reloaded
+    together, in one batch, every third of the TTL (``keep_warm``): measured under ``make
+    bench``, a stream whose key had just aged out waited 3-5 ms more for its first token (the
+    key's queries in the database thread), the slowest first token in a hundred. A key seen
+    by this process only once in a while is in that set too, so it is never that request. And
+    should the batch fall behind, a request that finds its entry past half of the TTL still
+    gets the cached answer and reloads it behind it (once).
 
     One key is loaded once at a time, however many of its requests miss together: when
     1,000 streams opened at once on a fresh process, each ran the key's three queries (70% of
@@ -250,6 +283,9 @@ class KeyCache:
         self._entries: dict[str, tuple[KeyInfo | None, float]] = {}
         self._clock = clock
         self._loading: dict[str, asyncio.Task[KeyInfo | None]] = {}
+        self._used: dict[str, float] = {}  # hash of a valid key -> when a request last used it
+        self._warmer: asyncio.Task[None] | None = None
+        self._warmer_loop: asyncio.AbstractEventLoop | None = None
 
     async def lookup(self, key: str) -> KeyInfo | None:
         key_hash = hash_key(key)
@@ -257,6 +293,8 @@ class KeyCache:
         now = self._clock()
         ttl = float(settings.LLMGW_KEY_CACHE_TTL)
         if entry is not None and now - entry[1] < ttl:
+            if entry[0] is not None:
+                self._used[key_hash] = now
             if now - entry[1] >= ttl / 2:
                 self._load(key_hash)  # behind the answer: a reload already running is reused
             return entry[0]
@@ -277,7 +315,11 @@ class KeyCache:
         """The load of ``key_hash`` in flight, started if none is."""
         task = self._loading.get(key_hash)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._load_and_store(key_hash))
+            loop = asyncio.get_running_loop()
+            if self._warmer is None or self._warmer_loop is not loop or self._warmer.done():
+                self._warmer_loop = loop
+                self._warmer = loop.create_task(self._keep_warm(), name="llmgw-key-refresh")
+            task = loop.create_task(self._load_and_store(key_hash))
             self._loading[key_hash] = task
             task.add_done_callback(lambda done: self._loaded(key_hash, done))
         return task
@@ -286,7 +328,37 @@ class KeyCache:
         loaded_at = self._clock()
         info = await sync_to_async(_load)(key_hash)
         self._store(key_hash, info, loaded_at)
+        if info is not None:
+            self._used[key_hash] = loaded_at
         return info
+
+    async def _keep_warm(self) -> None:
+        while True:
+            ttl = float(settings.LLMGW_KEY_CACHE_TTL)
+            await asyncio.sleep(max(ttl / 3, MIN_REFRESH_S))
+            try:
+                await self.refresh_in_use()
+            except DatabaseError:
+                pass  # the entries age; past their TTL the outage policy in lookup() applies
+            except Exception:
+                logger.exception("reloading the API keys in use failed")
+
+    async def refresh_in_use(self) -> int:
+        """Reload, in one batch, every valid key a request used within ``KEEP_WARM_S``;
+        forget the use of the others. Returns how many keys were reloaded."""
+        now = self._clock()
+        self._used = {
+            key_hash: at
+            for key_hash, at in self._used.items()
+            if now - at < KEEP_WARM_S and self._entries.get(key_hash, (None, 0.0))[0] is not None
+        }
+        due = [key_hash for key_hash in self._used if key_hash not in self._loading]
+        if not due:
+            return 0
+        found = await sync_to_async(_load_many)(due)
+        for key_hash, info in found.items():
+            self._store(key_hash, info, now)
+        return len(found)
 
     def _loaded(self, key_hash: str, task: asyncio.Task[KeyInfo | None]) -> None:
         if self._loading.get(key_hash) is task:
@@ -298,6 +370,9 @@ class KeyCache:
             logger.error("loading an API key failed", exc_info=error)
 
     def _store(self, key_hash: str, info: KeyInfo | None, loaded_at: float) -> None:
+        current = self._entries.get(key_hash)
+        if current is not None and current[1] > loaded_at:
+            return  # a load that began later has stored what the store says now
         if len(self._entries) >= _CACHE_MAX:
             self._entries.clear()
         self._entries[key_hash] = (info, loaded_at)
@@ -309,6 +384,7 @@ class KeyCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._used.clear()
 
 
 cache = KeyCache()

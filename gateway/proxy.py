@@ -17,6 +17,7 @@ generating.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -632,20 +633,23 @@ async def _read_rest(opened: Opened) -> bytes:
 async def _relay_body(ex: Exchange, opened: Opened) -> Response:
     body = await _read_rest(opened)
     response = opened.response
-    status = response.status
-    tokens, reason = payload.usage_of_body(body) if status == 200 else (None, "")
-    if status == 200 and tokens is None:
-        ex.finish_uncounted(
-            status, reason, opened.upstream, lambda: (counting.body_texts(body), None)
-        )
-    else:
-        ex.finish(status, reason if status == 200 else Reason.UPSTREAM_ERROR, tokens)
-    return responses.whole(
-        status,
+    answer = responses.whole(
+        response.status,
         body,
         content_type=response.headers.get(b"content-type") or responses.JSON,
         request_id=ex.request_id,
     )
+    # The usage is read from the answer and recorded once the client has it.
+    answer.after = functools.partial(_finish_body, ex, opened.upstream, response.status, body)
+    return answer
+
+
+def _finish_body(ex: Exchange, upstream: routing.Upstream, status: int, body: bytes) -> None:
+    tokens, reason = payload.usage_of_body(body) if status == 200 else (None, "")
+    if status == 200 and tokens is None:
+        ex.finish_uncounted(status, reason, upstream, lambda: (counting.body_texts(body), None))
+    else:
+        ex.finish(status, reason if status == 200 else Reason.UPSTREAM_ERROR, tokens)
 
 
 async def _relay_stream(ex: Exchange, opened: Opened) -> AsyncGenerator[bytes]:

@@ -7,7 +7,7 @@ Django response for the ninja operations.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 
 Header = tuple[bytes, bytes]
@@ -28,6 +28,14 @@ class Response:
     body: bytes = b""
     # When set, the answer is this stream, each chunk sent as it comes; ``body`` is unused.
     stream: AsyncGenerator[bytes] | None = None
+    # Work that must follow the answer but need not delay it (the request's usage record):
+    # whoever writes the answer calls ``settled()`` once it is written, or failed to be.
+    after: Callable[[], None] | None = None
+
+    def settled(self) -> None:
+        after, self.after = self.after, None
+        if after is not None:
+            after()
 
 
 def whole(

@@ -190,3 +190,48 @@ print(len(gc.get_objects()))
 """
     after_celery, after_urlconfs = map(int, fresh_python(script).split())
     assert after_celery < 1_000 and after_urlconfs < 1_000
+
+
+async def test_what_follows_a_whole_answer_runs_once_it_is_written_or_could_not_be() -> None:
+    """The usage record of a non-streamed answer is made after the answer goes out (the client
+    does not wait for it), and still made when the write fails or is cancelled (a client gone:
+    the engine's tokens were spent all the same)."""
+    import asyncio
+
+    from gateway import responses
+    from gateway.asgi import send_answer
+
+    events: list[str] = []
+
+    def answer() -> responses.Response:
+        response = responses.whole(200, b"{}")
+        response.after = lambda: events.append("recorded")
+        return response
+
+    async def send(message: Any) -> None:
+        events.append(message["type"])
+
+    await send_answer(answer(), send)
+    assert events == ["http.response.start", "http.response.body", "recorded"]
+
+    events.clear()
+
+    async def client_gone(message: Any) -> None:
+        raise OSError("connection reset")
+
+    with pytest.raises(OSError):
+        await send_answer(answer(), client_gone)
+    assert events == ["recorded"]
+
+    events.clear()
+    stuck = asyncio.Event()
+
+    async def never_written(message: Any) -> None:
+        await stuck.wait()
+
+    writing = asyncio.ensure_future(send_answer(answer(), never_written))
+    await asyncio.sleep(0)
+    writing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await writing
+    assert events == ["recorded"]

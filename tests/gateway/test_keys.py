@@ -88,6 +88,90 @@ async def test_a_key_in_use_is_reloaded_ahead_of_its_ttl_without_waiting(
     assert reloaded is not None and reloaded.revoked
 
 
+async def test_keys_in_use_are_reloaded_in_one_batch_so_none_waits_past_its_ttl(
+    alice: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key used now and then is reloaded with the others in use: a request on it, even past
+    the TTL since it was first loaded, finds it fresh without a load of its own, and a
+    revocation made meanwhile is there. A key not used within KEEP_WARM_S is not reloaded."""
+    from asgiref.sync import sync_to_async
+
+    settings.LLMGW_KEY_CACHE_TTL = 5.0
+    clock = FakeClock()
+    cache = keys.KeyCache(clock)
+    used, idle, other = [await sync_to_async(keys.issue)("alice") for _ in range(3)]
+    for issued in (used, idle, other):
+        assert await cache.lookup(issued.key) is not None
+    await sync_to_async(keys.revoke)(used.api_key.pk)
+    clock.advance(keys.KEEP_WARM_S - 1)
+    assert (await cache.lookup(used.key)) is not None  # past the TTL: loaded again, waited for
+    assert (await cache.lookup(other.key)) is not None
+    clock.advance(4)  # `idle` was last used KEEP_WARM_S + 3 ago
+    await sync_to_async(keys.revoke)(other.api_key.pk)
+    batches: list[list[str]] = []
+    real_many = keys._load_many
+
+    def load_many(key_hashes: list[str]) -> dict[str, keys.KeyInfo | None]:
+        batches.append(sorted(key_hashes))
+        return real_many(key_hashes)
+
+    monkeypatch.setattr(keys, "_load_many", load_many)
+    assert await cache.refresh_in_use() == 2
+    assert batches == [sorted(keys.hash_key(i.key) for i in (used, other))]
+    clock.advance(2.4)  # past the TTL since its own load; within half of it since the batch
+    info = await cache.lookup(other.key)
+    assert info is not None and info.revoked
+    await cache.settled()
+    assert len(batches) == 1  # no load of its own, not even behind the answer
+    clock.advance(keys.KEEP_WARM_S)
+    assert await cache.refresh_in_use() == 0  # none used since
+
+
+def test_a_batch_of_keys_is_four_queries(alice: Any) -> None:
+    hashes = [keys.hash_key(keys.issue("alice").key) for _ in range(3)]
+    with CaptureQueriesContext(connection) as queries:
+        found = keys._load_many([*hashes, "0" * 64])
+    assert len(queries) == 4 and len([i for i in found.values() if i is not None]) == 3
+
+
+async def test_a_batch_load_gives_each_key_what_a_load_of_it_alone_gives(alice: Any) -> None:
+    """Owners in different teams, an inactive owner, a deleted key: the batch's joins give
+    every key its own owner's and teams' limits and nothing of another's."""
+    from asgiref.sync import sync_to_async
+    from django.contrib.auth.models import Group
+
+    from gateway.models import TeamLimits, UserLimits
+
+    def fleet() -> list[str]:
+        bob = get_user_model().objects.create_user(username="bob")
+        get_user_model().objects.create_user(username="carol", is_active=False)
+        ml, web = Group.objects.create(name="ml"), Group.objects.create(name="web")
+        TeamLimits.objects.create(team=ml, rpm_limit=10, allowed_models=["a", "b"])
+        TeamLimits.objects.create(team=web, tpm_limit=20, allowed_models=["b"])
+        UserLimits.objects.create(user=bob, token_budget=30)
+        alice.groups.add(ml)
+        bob.groups.add(ml, web)
+        issued = [keys.issue(name, rpm=5) for name in ("alice", "alice", "bob", "carol")]
+        gone = keys.issue("bob")
+        gone.api_key.delete()
+        return [i.key for i in (*issued, gone)] + ["llmgw-" + "C" * 43]
+
+    raw = await sync_to_async(fleet)()
+    hashes = [keys.hash_key(key) for key in raw]
+    together = await sync_to_async(keys._load_many)(hashes)
+    alone = {h: await sync_to_async(keys._load)(h) for h in hashes}
+    assert together == alone
+    first, second, bobs, carols, gone, unknown = (together[h] for h in hashes)
+    assert gone is None and unknown is None
+    assert first is not None and second is not None and bobs is not None and carols is not None
+    assert [s.owner for s in first.scopes] == ["this key", "team 'ml'"]
+    assert first.allowed_models == {"a", "b"} and first.models_limited
+    owners = {"this key", "your account", "team 'ml'", "team 'web'"}
+    assert {s.owner for s in bobs.scopes} == owners
+    assert bobs.allowed_models == {"b"}
+    assert carols.revoked and not first.revoked and first.user_id == second.user_id
+
+
 async def test_a_burst_of_misses_for_one_key_is_one_load_and_a_hang_up_cancels_none(
     alice: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
