@@ -83,10 +83,11 @@ def routing_snapshot() -> RoutingSnapshot:
     Every query reads one table and the join happens here. A query over several tables holds
     a lock on one while it waits for the next, and that deadlocks against anything that locks
     them all exclusively (a migration, a TRUNCATE): PostgreSQL then aborts one side. One
-    table per statement cannot be part of such a cycle.
+    table per statement cannot be part of such a cycle. Hence ``order_by()`` on each: a
+    model's default ordering by a related name joins that table in (and costs compiling).
     """
     rows = list(
-        ServedModel.objects.values(
+        ServedModel.objects.order_by().values(
             "id",
             "name",
             "aliases",
@@ -100,9 +101,11 @@ def routing_snapshot() -> RoutingSnapshot:
             "context_length",
         )
     )
-    profile_names = dict(Profile.objects.values_list("id", "name"))
+    profile_names = dict(Profile.objects.order_by().values_list("id", "name"))
     profiles: dict[int, set[str]] = {}
-    links = ServedModel.profiles.through.objects.values_list("servedmodel_id", "profile_id")
+    links = ServedModel.profiles.through.objects.order_by().values_list(
+        "servedmodel_id", "profile_id"
+    )
     pairs = [*links, *((row["id"], row["default_profile_id"]) for row in rows)]
     for model_id, profile_id in pairs:
         if profile_id in profile_names:
@@ -131,16 +134,19 @@ def routing_snapshot() -> RoutingSnapshot:
         replica_id: (model_id, profile_id, key)
         for replica_id, model_id, profile_id, key in Replica.objects.filter(
             observed=Replica.Observed.READY, desired=Replica.Desired.RUNNING
-        ).values_list("id", "model_id", "profile_id", "engine_key")
+        )
+        .order_by()
+        .values_list("id", "model_id", "profile_id", "engine_key")
     }
     nodes = dict(
         Node.objects.filter(health=Node.Health.READY)
         .exclude(schedule=Node.Schedule.DRAINING)
+        .order_by()
         .values_list("id", "addresses")
     )
     replicas = []
-    for replica_id, node_id, port in Shard.objects.filter(rank=0).values_list(
-        "replica_id", "node_id", "port"
+    for replica_id, node_id, port in (
+        Shard.objects.filter(rank=0).order_by().values_list("replica_id", "node_id", "port")
     ):
         if replica_id not in live or node_id not in nodes:
             continue

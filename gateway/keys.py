@@ -181,14 +181,16 @@ _BATCH = 500
 
 def _load_many(key_hashes: list[str]) -> dict[str, KeyInfo | None]:
     """What the store says of each key now; None for a hash no key has. Runs in the database
-    thread (see gateway.dbthread): four queries whatever the number of keys, each on one table
-    or one join, not a join of all four (for the reason in gateway.upstreams.load_table: no
-    lock cycle with DDL/TRUNCATE)."""
+    thread (see gateway.dbthread): four queries for up to ``_BATCH`` keys, each on its own
+    tables rather than one join of them all (for the reason in
+    control.serving.routing_snapshot: no lock cycle with DDL or TRUNCATE)."""
     dbthread.ready()
     found: dict[str, KeyInfo | None] = dict.fromkeys(key_hashes)
     for at in range(0, len(key_hashes), _BATCH):
         rows = list(
-            ApiKey.objects.filter(key_hash__in=key_hashes[at : at + _BATCH]).values_list(
+            ApiKey.objects.filter(key_hash__in=key_hashes[at : at + _BATCH])
+            .order_by()
+            .values_list(
                 "key_hash",
                 "id",
                 "user_id",

@@ -74,9 +74,11 @@ def load_table(version: int = 0) -> routing.Table:
         routing.EndpointRow(f"static:{e.id}", e.url, e.models)
         for e in settings.LLMGW_STATIC_ENDPOINTS
     ]
-    for slug, url, names, weight, allow_private in Endpoint.objects.filter(
-        enabled=True
-    ).values_list("slug", "url", "model_names", "weight", "allow_private_address"):
+    for slug, url, names, weight, allow_private in (
+        Endpoint.objects.filter(enabled=True)
+        .order_by()  # one table per statement (see control.serving.routing_snapshot)
+        .values_list("slug", "url", "model_names", "weight", "allow_private_address")
+    ):
         problem = routing.upstream_url_problem(url)
         if problem and not allow_private:
             # Refused at save time too; this catches rows written around the model's checks.

@@ -75,3 +75,22 @@ def test_a_models_catalog_context_length_reaches_its_route() -> None:
     sized, unsized = load_table().resolve("sized"), load_table().resolve("unsized")
     assert sized is not None and sized.context_length == 4096
     assert unsized is not None and unsized.context_length is None, "left to what the engine says"
+
+
+def test_each_query_of_a_table_load_reads_one_table() -> None:
+    """No statement can hold a lock on one table while it waits for another (the deadlock
+    against a migration or TRUNCATE in control.serving.routing_snapshot): a model's default
+    ordering by a related name would join that table in."""
+    import re
+
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    serve_model("m", [8001])
+    Endpoint(slug="e", url="http://10.0.0.1:8000", model_names=["e"]).save()
+    with CaptureQueriesContext(connection) as queries:
+        load_table()
+    statements = [q["sql"] for q in queries.captured_queries]
+    assert len(statements) == 7
+    for sql in statements:
+        assert " JOIN " not in sql.upper() and len(re.findall(r"\bFROM\b", sql)) == 1, sql
