@@ -164,7 +164,16 @@ async def _relay(
         started = True
         await send(message)
 
-    listener = asyncio.get_running_loop().create_task(listen())
+    loop = asyncio.get_running_loop()
+    listener: asyncio.Task[None] | None = None
+
+    def start_listening() -> None:
+        nonlocal listener
+        listener = loop.create_task(listen())
+
+    # Most answers are done before the listener would matter: it starts only if this one is
+    # not, and a client that left meanwhile is told at once by its first receive().
+    listen_later = loop.call_later(LISTEN_AFTER_S, start_listening)
     drain.requests.add(task)
     try:
         await send_answer(await _answer(route, authorization, body, clock_start), tracked_send)
@@ -177,7 +186,9 @@ async def _relay(
     finally:
         finished = True
         drain.requests.discard(task)
-        listener.cancel()
+        listen_later.cancel()
+        if listener is not None:
+            listener.cancel()
 
 
 async def _tell_cut(send: Send, *, started: bool) -> None:
@@ -194,6 +205,9 @@ async def _tell_cut(send: Send, *, started: bool) -> None:
             refusal.headers.append((b"connection", b"close"))
             await send_answer(refusal, send)
 
+
+# A relay request starts listening for its client's hang-up after this long (see _relay).
+LISTEN_AFTER_S = 0.05
 
 V1_URLCONF = "gateway.v1_urls"
 

@@ -30,7 +30,7 @@ from tests.harness.waits import wait_until
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 LIMIT = 4 * 1024 * 1024
-MODELS = ("m1", "m2", "m3", "m4", "m5", "m6", "ext-model")
+MODELS = ("m1", "m2", "m3", "m4", "m5", "m6", "m7", "ext-model")
 
 
 def web_settings(engines: list[Proc]) -> dict[str, str]:
@@ -313,6 +313,38 @@ def test_a_client_that_hangs_up_mid_stream_cancels_the_engine_request(stack: Any
     (row,) = wait_for_rows(api_key, 1)
     assert row.finish_reason == "client_disconnect"
     assert 3 <= row.completion_tokens < 200
+
+
+def test_a_client_gone_before_the_gateway_listens_for_it_leaves_no_engine_request(
+    stack: Any,
+) -> None:
+    """The gateway starts listening for a hang-up only once a request has run a moment
+    (gateway.asgi.LISTEN_AFTER_S); a client that left before that is found then, at once: an
+    engine request that was sent is cancelled, and the row says the client left."""
+    web, sim_a, _ = stack
+    key, api_key = make_key()
+    ready(web, key, "m7", [sim_a.port])
+    arrived_before = arrived(sim_a)
+    cancelled_before = sim_metrics(sim_a).get("sim:request_cancelled_total", 0)
+    body = chat("m7", sim={"hang": "before_first_byte"})
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + key.encode() + b"\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    with socket.create_connection(("127.0.0.1", web.port), timeout=60) as sock:
+        sock.sendall(head + body)
+        time.sleep(0.01)  # long enough to reach the engine, most times; the outcome is the same
+    (row,) = wait_for_rows(api_key, 1)
+    assert (row.status, row.finish_reason) == (499, "client_disconnect")
+    reached = arrived(sim_a) - arrived_before
+    wait_until(
+        lambda: (
+            sim_metrics(sim_a).get("sim:request_cancelled_total", 0) - cancelled_before == reached
+        ),
+        what="every engine request it reached cancelled",
+    )
+    assert sim_metrics(sim_a)["vllm:num_requests_running"] == 0
 
 
 def test_an_upstream_that_never_answers_is_a_504_at_the_first_byte_deadline(stack: Any) -> None:
