@@ -44,9 +44,11 @@ _KEY_RE = re.compile(r"llmgw-[A-Za-z0-9_-]{43}")
 _CACHE_MAX = 50_000
 # How long past its TTL a cached key is still trusted while the store cannot be reached.
 STALE_FOR_S = 600.0
-# A key a request used within this long is kept loaded (see KeyCache); the batch that reloads
-# them runs at most this often, whatever the TTL.
-KEEP_WARM_S = 600.0
+# A key a request used within this long is kept loaded (see KeyCache), up to this many (the
+# most recently used): each reload is four queries a 500 keys, every third of the TTL. The
+# batch that reloads them runs at most every MIN_REFRESH_S, whatever the TTL.
+KEEP_WARM_S = 120.0
+KEEP_WARM_MAX = 2_000
 MIN_REFRESH_S = 0.5
 
 
@@ -268,12 +270,12 @@ class KeyCache:
     An entry is trusted for ``LLMGW_KEY_CACHE_TTL`` seconds; past that a lookup waits for a
     fresh load, so a revocation takes effect within the TTL. So that no request waits for the
     database on a key in use, the keys requests used within ``KEEP_WARM_S`` are reloaded
-    together, in one batch, every third of the TTL (``keep_warm``): measured under ``make
+    together, in one batch, every third of the TTL (``_keep_warm``): measured under ``make
     bench``, a stream whose key had just aged out waited 3-5 ms more for its first token (the
-    key's queries in the database thread), the slowest first token in a hundred. A key seen
-    by this process only once in a while is in that set too, so it is never that request. And
-    should the batch fall behind, a request that finds its entry past half of the TTL still
-    gets the cached answer and reloads it behind it (once).
+    key's queries in the database thread), the slowest first token in a hundred. A key used
+    less often than the TTL but within ``KEEP_WARM_S`` is in that set too, so its request is
+    not that one. And should the batch fall behind, a request that finds its entry past half
+    of the TTL still gets the cached answer and reloads it behind it (once).
 
     One key is loaded once at a time, however many of its requests miss together: when
     1,000 streams opened at once on a fresh process, each ran the key's three queries (70% of
@@ -346,8 +348,9 @@ class KeyCache:
                 logger.exception("reloading the API keys in use failed")
 
     async def refresh_in_use(self) -> int:
-        """Reload, in one batch, every valid key a request used within ``KEEP_WARM_S``;
-        forget the use of the others. Returns how many keys were reloaded."""
+        """Reload, in one batch, the valid keys requests used within ``KEEP_WARM_S`` (the
+        ``KEEP_WARM_MAX`` most recent); forget the use of the others. Returns how many keys
+        were reloaded."""
         now = self._clock()
         self._used = {
             key_hash: at
@@ -355,6 +358,8 @@ class KeyCache:
             if now - at < KEEP_WARM_S and self._entries.get(key_hash, (None, 0.0))[0] is not None
         }
         due = [key_hash for key_hash in self._used if key_hash not in self._loading]
+        if len(due) > KEEP_WARM_MAX:
+            due = sorted(due, key=self._used.__getitem__)[-KEEP_WARM_MAX:]
         if not due:
             return 0
         found = await sync_to_async(_load_many)(due)

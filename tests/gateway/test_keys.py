@@ -127,6 +127,30 @@ async def test_keys_in_use_are_reloaded_in_one_batch_so_none_waits_past_its_ttl(
     assert await cache.refresh_in_use() == 0  # none used since
 
 
+async def test_only_the_most_recently_used_keys_are_kept_warm(
+    alice: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    monkeypatch.setattr(keys, "KEEP_WARM_MAX", 2)
+    clock = FakeClock()
+    cache = keys.KeyCache(clock)
+    issued = [await sync_to_async(keys.issue)("alice") for _ in range(3)]
+    for one in issued:
+        clock.advance(1)
+        assert await cache.lookup(one.key) is not None
+    batches: list[list[str]] = []
+    real_many = keys._load_many
+
+    def load_many(key_hashes: list[str]) -> dict[str, keys.KeyInfo | None]:
+        batches.append(sorted(key_hashes))
+        return real_many(key_hashes)
+
+    monkeypatch.setattr(keys, "_load_many", load_many)
+    assert await cache.refresh_in_use() == 2
+    assert batches == [sorted(keys.hash_key(one.key) for one in issued[1:])]
+
+
 def test_a_batch_of_keys_is_four_queries(alice: Any) -> None:
     hashes = [keys.hash_key(keys.issue("alice").key) for _ in range(3)]
     with CaptureQueriesContext(connection) as queries:
