@@ -181,3 +181,26 @@ def test_name_at_profile_is_served_only_by_that_profile_and_says_which() -> None
     )
     explicit = only_fast.resolve("llama@small")
     assert explicit is not None and explicit.upstreams == (), "never served by fast"
+
+
+async def test_a_replica_going_busy_after_an_idle_spell_is_reported_shortly_not_at_once() -> None:
+    """Within moments (the reconciler must not take it for idle), but not while the request
+    that made it busy waits for its first bytes (the report's queries would hold the GIL)."""
+    import asyncio
+
+    from gateway.upstreams import BUSY_REPORT_DELAY_S, Upstreams
+
+    upstreams = Upstreams()
+    upstreams._loop = asyncio.get_running_loop()
+    upstreams._wake = wake = asyncio.Event()
+    replica = Upstream("replica:7", "http://10.0.0.1:8000")
+    upstreams.acquire(replica)
+    await asyncio.sleep(0)
+    assert not wake.is_set()
+    await asyncio.sleep(BUSY_REPORT_DELAY_S * 2)
+    assert wake.is_set()
+    wake.clear()
+    upstreams.release(replica)
+    upstreams.acquire(replica)  # busy again right after: its finish is recent use already
+    await asyncio.sleep(BUSY_REPORT_DELAY_S * 2)
+    assert not wake.is_set()
