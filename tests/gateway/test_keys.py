@@ -88,6 +88,19 @@ async def test_a_key_in_use_is_reloaded_ahead_of_its_ttl_without_waiting(
     assert reloaded is not None and reloaded.revoked
 
 
+def recorded_batches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The key hashes of every batch load from now on, each sorted."""
+    batches: list[list[str]] = []
+    real_many = keys._load_many
+
+    def load_many(key_hashes: list[str]) -> dict[str, keys.KeyInfo | None]:
+        batches.append(sorted(key_hashes))
+        return real_many(key_hashes)
+
+    monkeypatch.setattr(keys, "_load_many", load_many)
+    return batches
+
+
 async def test_keys_in_use_are_reloaded_in_one_batch_so_none_waits_past_its_ttl(
     alice: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -108,14 +121,7 @@ async def test_keys_in_use_are_reloaded_in_one_batch_so_none_waits_past_its_ttl(
     assert (await cache.lookup(other.key)) is not None
     clock.advance(4)  # `idle` was last used KEEP_WARM_S + 3 ago
     await sync_to_async(keys.revoke)(other.api_key.pk)
-    batches: list[list[str]] = []
-    real_many = keys._load_many
-
-    def load_many(key_hashes: list[str]) -> dict[str, keys.KeyInfo | None]:
-        batches.append(sorted(key_hashes))
-        return real_many(key_hashes)
-
-    monkeypatch.setattr(keys, "_load_many", load_many)
+    batches = recorded_batches(monkeypatch)
     assert await cache.refresh_in_use() == 2
     assert batches == [sorted(keys.hash_key(i.key) for i in (used, other))]
     clock.advance(2.4)  # past the TTL since its own load; within half of it since the batch
@@ -139,14 +145,7 @@ async def test_only_the_most_recently_used_keys_are_kept_warm(
     for one in issued:
         clock.advance(1)
         assert await cache.lookup(one.key) is not None
-    batches: list[list[str]] = []
-    real_many = keys._load_many
-
-    def load_many(key_hashes: list[str]) -> dict[str, keys.KeyInfo | None]:
-        batches.append(sorted(key_hashes))
-        return real_many(key_hashes)
-
-    monkeypatch.setattr(keys, "_load_many", load_many)
+    batches = recorded_batches(monkeypatch)
     assert await cache.refresh_in_use() == 2
     assert batches == [sorted(keys.hash_key(one.key) for one in issued[1:])]
 

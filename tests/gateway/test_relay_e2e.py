@@ -82,6 +82,16 @@ def chat(name: str, **extra: Any) -> bytes:
     ).encode()
 
 
+def chat_request(key: str, body: bytes) -> bytes:
+    """A whole chat completion request as a client writes it on a socket."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + key.encode() + b"\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    return head + body
+
+
 def arrived(sim: Proc) -> float:
     """Requests that reached the engine, finished or not."""
     return engine_requests(sim, running=True)
@@ -294,13 +304,8 @@ def test_a_client_that_hangs_up_mid_stream_cancels_the_engine_request(stack: Any
     ready(web, key, "m6", [sim_a.port])
     cancelled_before = sim_metrics(sim_a).get("sim:request_cancelled_total", 0)
     body = chat("m6", max_tokens=200, stream=True, sim={"itl_ms": 20})
-    head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Authorization: Bearer " + key.encode() + b"\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body)
-    )
     with socket.create_connection(("127.0.0.1", web.port), timeout=60) as sock:
-        sock.sendall(head + body)
+        sock.sendall(chat_request(key, body))
         received = b""
         while received.count(b"data: ") < 5:
             received += sock.recv(65536)
@@ -326,14 +331,8 @@ def test_a_client_gone_before_the_gateway_listens_for_it_leaves_no_engine_reques
     ready(web, key, "m7", [sim_a.port])
     arrived_before = arrived(sim_a)
     cancelled_before = sim_metrics(sim_a).get("sim:request_cancelled_total", 0)
-    body = chat("m7", sim={"hang": "before_first_byte"})
-    head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Authorization: Bearer " + key.encode() + b"\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body)
-    )
     with socket.create_connection(("127.0.0.1", web.port), timeout=60) as sock:
-        sock.sendall(head + body)
+        sock.sendall(chat_request(key, chat("m7", sim={"hang": "before_first_byte"})))
         time.sleep(0.01)  # long enough to reach the engine, most times; the outcome is the same
     (row,) = wait_for_rows(api_key, 1)
     assert (row.status, row.finish_reason) == (499, "client_disconnect")
