@@ -353,8 +353,8 @@ async def one_stream(
 
 async def stream_rounds(stack: Stack, rounds: int, per_round: int) -> dict[str, Any]:
     """Paced streams one at a time, the targets taking turns each round: time to first token
-    and gaps, pooled over the rounds (a full run takes 200 first tokens a target, because of
-    100 the p99 ``pct`` takes is the slowest one); then instant streams for CPU per event."""
+    and gaps, pooled over the rounds (a full run takes 200 first tokens a target: of 100, the
+    p99 that ``pct`` takes would be the slowest one); then instant streams for CPU per event."""
     paced = json.dumps(
         {**CHAT, "max_tokens": 20, "stream": True, "sim": {"itl_ms": 5, "ttft_ms": 5}}
     ).encode()

@@ -89,17 +89,15 @@ async def send_answer(response: Response, send: Send) -> None:
     follows the answer (``Response.after``) runs once it is written, or once writing failed
     (the client gone, this process's stop cutting it): not before, so the client does not
     wait for it."""
+    start = {"type": "http.response.start", "status": response.status, "headers": response.headers}
     if response.stream is None:
         try:
-            start = {"type": "http.response.start", "status": response.status}
-            await send({**start, "headers": response.headers})
+            await send(start)
             await send({"type": "http.response.body", "body": response.body})
         finally:
             response.settled()
         return
-    await send(
-        {"type": "http.response.start", "status": response.status, "headers": response.headers}
-    )
+    await send(start)
     async with contextlib.aclosing(response.stream) as parts:
         async for part in parts:
             await send({"type": "http.response.body", "body": part, "more_body": True})
