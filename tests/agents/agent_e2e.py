@@ -504,7 +504,8 @@ def test_sigterm_stops_the_agent_cleanly_with_or_without_its_shards(fleet: Clust
     successor = agent.start()
     wait_until(lambda: boot_id("n2") != boot, what="the successor's hello", logs=[successor])
     wait_until(lambda: agent.shard_pids() == {shard.pk: pid}, what="adoption", logs=[successor])
-    assert agent.engines() == {shard.pk: [pid]}
+    engines = agent.engines()
+    assert engines == {shard.pk: [pid]}, f"engines {engines}, adopted pid {pid}"
 
 
 # --------------------------------------------------------------------------- fencing

@@ -42,7 +42,6 @@ from tests.harness.procs import (
     PYTHON,
     REPO_ROOT,
     Proc,
-    engine_port,
     engine_processes,
     free_port,
     port_window,
@@ -153,6 +152,14 @@ def grpc_listener(name: str, log_dir: Path, env: Mapping[str, str], port: int) -
     return Proc(name, argv, log_dir, env, port=port).start().wait_listening()
 
 
+def engine_home(pid: int) -> Path | None:
+    """Where an engine runs from: its agent's state folder (agents.supervisor starts it there)."""
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return None
+
+
 @dataclass
 class ControlPlane:
     """One control-plane host: its web process (and, over gRPC, its agent listener), and its
@@ -253,11 +260,14 @@ class Agent:
         }
 
     def engines(self) -> dict[int, list[int]]:
-        """Shard id → pids of the live engines serving it on this node, as the OS sees them."""
+        """Shard id → pids of the live engines serving it on this node, as the OS sees them:
+        in its port window and started in its state folder (the agent starts them there).
+        Another run on this machine (the other database's pass) may draw the same window, and
+        its shard ids count from 1 too."""
         found: dict[int, list[int]] = defaultdict(list)
-        for pid, env in engine_processes():
-            port = engine_port(pid) or 0
-            if self.ports[0] <= port <= self.ports[1]:
+        home = self.state_dir.resolve()
+        for pid, env in engine_processes(self.ports):
+            if engine_home(pid) == home:
                 found[int(env["LLMGW_SHARD_ID"])].append(pid)
         return dict(found)
 
@@ -405,9 +415,12 @@ class Cluster:
         field = "cert_serial" if self.transport == GRPC else "token_hash"
         return Node.objects.filter(name=name).exclude(**{field: ""}).exists()
 
-    def node_of_port(self, port: int) -> str | None:
+    def node_of_engine(self, pid: int) -> str | None:
+        """The node whose agent started engine ``pid``; None for another run's engine, even
+        one in the same port window (see Agent.engines)."""
+        home = engine_home(pid)
         for agent in self.agents.values():
-            if agent.ports[0] <= port <= agent.ports[1]:
+            if home == agent.state_dir.resolve():
                 return agent.name
         return None
 
@@ -664,7 +677,7 @@ class InvariantChecker(Watcher):
 
         in_use: dict[tuple[str, str], list[int]] = defaultdict(list)
         for pid, env in engine_processes():
-            node = self.cluster.node_of_port(engine_port(pid) or 0)
+            node = self.cluster.node_of_engine(pid)
             if node is None:
                 continue
             for gpu in env.get("CUDA_VISIBLE_DEVICES", "").split(","):
