@@ -9,12 +9,14 @@ listening socket bound here and handed down, with the argv the launcher builds.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -42,13 +44,20 @@ def port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+# A window drawn by a test process is locked here until that process ends, so that two runs on
+# one machine (the SQLite and PostgreSQL passes, their workers) never draw the same one: a
+# window's ports are free when it is drawn, but its engines start only later.
+_WINDOW_LOCKS = Path(tempfile.gettempdir()) / "llmgw-test-port-windows"
+_held_windows: dict[int, int] = {}  # window start -> the open descriptor holding its lock
+
+
 def port_window(taken: Collection[int] = ()) -> tuple[int, int]:
     """A window of ``PORT_WINDOW`` engine ports, none in use now, below the kernel's ephemeral
-    range (so ``free_port`` cannot hand one out) and, being random, apart from those of other
-    test runs on this machine. ``taken``: window starts already given out."""
-    for _ in range(200):
+    range (so ``free_port`` cannot hand one out), and held by no other test process on this
+    machine. ``taken``: window starts already given out."""
+    for _ in range(400):
         low = random.randrange(21000, 32000 - PORT_WINDOW, PORT_WINDOW)
-        if low in taken:
+        if low in taken or low in _held_windows:
             continue
         with contextlib.ExitStack() as stack:
             try:
@@ -57,8 +66,22 @@ def port_window(taken: Collection[int] = ()) -> tuple[int, int]:
                     sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-        return low, low + PORT_WINDOW - 1
+        if _hold(low):
+            return low, low + PORT_WINDOW - 1
     raise AssertionError("no free window of engine ports")
+
+
+def _hold(low: int) -> bool:
+    """Lock the window starting at ``low`` for this process; False if another holds it."""
+    _WINDOW_LOCKS.mkdir(exist_ok=True)
+    lock = os.open(_WINDOW_LOCKS / str(low), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+        return False
+    _held_windows[low] = lock
+    return True
 
 
 def alive(pid: int) -> bool:
