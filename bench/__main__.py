@@ -9,7 +9,7 @@ drift hits all alike (see ``shared/BENCHMARK.md``):
 - L2: llmgw on that server (auth, limits check, routing, usage accounting on).
 
 More targets price single choices: L2 with usage accounting off, L2 with ``/v1`` on Django's
-stock handler and middleware (what ``gateway.asgi.V1App`` saves), and the servers side by
+stock handler and middleware (what ``gateway.edge.asgi.V1App`` saves), and the servers side by
 side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian, and L2 on daphne
 (what ran the web processes before). Every uvicorn target is the web process ``manage.py run``
 starts (the launcher's command line); granian and daphne get their own stock command lines.

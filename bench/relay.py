@@ -1,5 +1,5 @@
 """L1 of the benchmark: the Python floor. A raw-ASGI relay (no Django, no auth, no accounting)
-with the same upstream client as llmgw (``gateway.upstream_client``, which imports nothing of
+with the same upstream client as llmgw (``gateway.relay.upstream_client``, which imports nothing of
 Django's), served by the same server as llmgw. Whatever llmgw costs above this is its own.
 
     BENCH_UPSTREAM=http://127.0.0.1:PORT python -m llmgw_site.webserver --app bench.relay:app ...
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gateway.upstream_client import Pool
+from gateway.relay.upstream_client import Pool
 
 UPSTREAM = os.environ.get("BENCH_UPSTREAM", "http://127.0.0.1:8000")
 HEADERS = b"Content-Type: application/json\r\n"

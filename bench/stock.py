@@ -1,5 +1,5 @@
 """For the benchmark only: llmgw with ``/v1`` served by Django's stock ASGI handler and the
-full middleware stack, to measure what ``gateway.asgi.V1App`` saves."""
+full middleware stack, to measure what ``gateway.edge.asgi.V1App`` saves."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def load(rows: int) -> dict[str, float]:
 def roll_up_all() -> dict[str, float]:
     from django.utils import timezone
 
-    from gateway import rollups
+    from gateway.ledger import rollups
 
     started = time.perf_counter()
     runs = 0
@@ -116,7 +116,9 @@ def measure() -> dict[str, Any]:
     from django.contrib.auth import get_user_model
     from django.test import Client
 
-    from gateway import api, keys, people, rollups
+    from gateway.edge import api
+    from gateway.identity import keys, people
+    from gateway.ledger import rollups
     from gateway.models import ApiKey, UserLimits
 
     staff = get_user_model().objects.create_superuser("bench-root", password="x")

@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from agents.protocol import GpuInfo, Hello, ShardStatus, WeightsReport
 from control.models import Event, Gpu, Node, Replica, Shard
-from llmgw_site import metrics
+from telemetry import metrics
 
 logger = logging.getLogger(__name__)
 

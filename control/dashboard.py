@@ -2,7 +2,7 @@
 
 Nodes with their GPUs, models with their replicas, the lease and the latest events, in a fixed
 handful of queries (the page polls every few seconds). The traffic half of the page comes from
-the gateway (``gateway.traffic``); the dashboard view (``llmgw_site.views``) puts the two
+the gateway (``gateway.ledger.traffic``); the dashboard view (``llmgw_site.views``) puts the two
 together. ``manage.py list_nodes`` prints :func:`nodes`.
 """
 

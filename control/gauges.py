@@ -3,7 +3,7 @@
 Nodes by state, GPUs, replicas per model and the lease are not kept in processes at all: they
 are computed from the database whenever ``/metrics`` is scraped, so every web process answers
 the same and nothing drifts. The ``/metrics`` view (``llmgw_site.views``) puts them beside the
-counters the processes keep (``llmgw_site.metrics``).
+counters the processes keep (``telemetry.metrics``).
 """
 
 from __future__ import annotations

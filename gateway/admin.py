@@ -1,11 +1,11 @@
 """The gateway in the Django admin: API keys, users and teams with their limits, static
 endpoints, usage.
 
-Users and teams are Django's users and groups on Django's own pages, but every save and
-delete there goes through ``gateway.people`` (the function the admin API and the ``manage.py``
-commands call too), so each change is one transaction with an operator Event naming who did it.
+Users and teams are Django's users and groups on Django's own pages, but every save and delete there
+goes through ``gateway.identity.people`` (the function the admin API and the ``manage.py`` commands
+call too), so each change is one transaction with an operator Event naming who did it.
 
-A key is made by ``gateway.keys.issue`` (the only place keys are minted) and shown once, on
+A key is made by ``gateway.identity.keys.issue`` (the only place keys are minted) and shown once, on
 the page that answers the form: it is never put in a message, the session or a cookie, so
 the only copy outside the owner's hands is its SHA-256. Afterwards the admin shows its prefix.
 """
@@ -30,7 +30,8 @@ from django.urls import URLPattern, path
 from django.utils import timezone
 
 from control import serving
-from gateway import keys, people, reports
+from gateway.identity import keys, people
+from gateway.ledger import reports
 from gateway.models import ApiKey, Endpoint, TeamLimits, UsageRecord, UserLimits
 
 # The full key between save_model (which mints it) and response_add (which shows it), held

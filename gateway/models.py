@@ -8,7 +8,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
-from gateway.routing import upstream_url_problem
+from gateway.addresses import upstream_url_problem
 
 
 class ApiKey(models.Model):
@@ -51,8 +51,8 @@ class ApiKey(models.Model):
 
 class Limits(models.Model):
     """Limits as a user's or a team's: the same fields a key has. A key's effective limits are
-    the narrowest of its own, its owner's and its owner's teams' (``gateway.keys``); a user's
-    or team's budget counts spend across all their keys."""
+    the narrowest of its own, its owner's and its owner's teams' (``gateway.identity.keys``); a
+    user's or team's budget counts spend across all their keys."""
 
     allowed_models = models.JSONField(
         default=list, blank=True, help_text='Model names, e.g. ["llama3"]; empty: every model.'
@@ -203,7 +203,7 @@ class UsageRecord(models.Model):
 
 class UsageRollup(models.Model):
     """Usage summed per hour, key, user, model and status: what dashboards, budgets and
-    reports read for hours that are over (``gateway.rollups``), so they stay fast however
+    reports read for hours that are over (``gateway.ledger.rollups``), so they stay fast however
     many raw rows there are. Kept after the raw rows expire. Key and user are plain ids
     (0: none), not foreign keys: a rollup outlives the key it counts."""
 
@@ -247,7 +247,7 @@ class LimitCounter(models.Model):
     """One rate-limit window of one key (requests or tokens), for the store-backed limiter.
 
     Used only when no Redis is configured. Reservations are single guarded upserts
-    (``gateway.limits``), so several web processes sharing the store cannot overshoot.
+    (``gateway.identity.limits``), so several web processes sharing the store cannot overshoot.
     """
 
     name = models.CharField(max_length=120, primary_key=True)

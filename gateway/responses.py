@@ -1,7 +1,7 @@
 """What the relay answers: a status, headers, and a body or a stream of chunks.
 
 Headers are kept as ASGI sends them (lower-case names, bytes), so the ``/v1`` application
-writes an answer without converting anything; ``gateway.api`` adapts the same object to a
+writes an answer without converting anything; ``gateway.edge.api`` adapts the same object to a
 Django response for the ninja operations.
 """
 

@@ -1,4 +1,4 @@
-"""Celery tasks of the gateway: thin edges over ``gateway.rollups``."""
+"""Celery tasks of the gateway: thin edges over ``gateway.ledger.rollups``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from celery import shared_task
 from django.conf import settings
 
 from control import serving
-from gateway import budgets, rollups
+from gateway.identity import budgets
+from gateway.ledger import rollups
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ BUDGET_TASK = "gateway.tasks.refresh_budgets"
 )
 def roll_up_usage() -> None:
     """Sum the hours that are over and expire old raw rows, on the leader only (beat sends
-    it to every worker's queue; a run that repeats one is harmless, see gateway.rollups)."""
+    it to every worker's queue; a run that repeats one is harmless, see gateway.ledger.rollups)."""
     if not serving.this_process_leads():
         logger.debug("usage rollups: not the leader")
         return

@@ -25,18 +25,19 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from control.routing import websocket_urlpatterns  # noqa: E402
 from control.views import health  # noqa: E402
-from gateway import proxy  # noqa: E402
-from gateway.asgi import V1App, imported, send_answer  # noqa: E402
-from gateway.drain import drain  # noqa: E402
+from gateway.edge.asgi import V1App, imported, send_answer  # noqa: E402
+from gateway.ledger.usage import recorder  # noqa: E402
+from gateway.relay import proxy  # noqa: E402
+from gateway.relay.drain import drain  # noqa: E402
 from gateway.responses import Response, whole  # noqa: E402
-from gateway.usage import recorder  # noqa: E402
-from llmgw_site import listeners, metrics  # noqa: E402
+from llmgw_site import listeners  # noqa: E402
 from llmgw_site.views import scrape  # noqa: E402
+from telemetry import metrics  # noqa: E402
 
 # Where daphne serves (it spools a whole body before the application sees any of it), /v1
 # bodies get a guard inside daphne itself; other servers never load Twisted.
 if "daphne.server" in sys.modules:
-    from gateway.daphne_guard import install_daphne_body_limit
+    from gateway.edge.daphne_guard import install_daphne_body_limit
 
     install_daphne_body_limit()
 
@@ -44,7 +45,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
 
-# /v1 goes to an application without Django's middleware (see gateway.asgi); the admin's CSS
+# /v1 goes to an application without Django's middleware (see gateway.edge.asgi); the admin's CSS
 # and scripts are served by the web process itself so that the embedded default needs no
 # separate web server; agents' streams authenticate their node token on the route itself.
 v1 = V1App()

@@ -19,6 +19,6 @@ app = Celery("llmgw")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 # A web process imports this module on first use (an early reconcile tick), after it froze what
-# it had loaded at start (gateway.upstreams): Celery's objects are kept out of the cyclic
+# it had loaded at start (gateway.routing.upstreams): Celery's objects are kept out of the cyclic
 # collector's full scans too.
 gc.freeze()

@@ -133,7 +133,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     # First and last, so django-prometheus times everything between (admin, account, metrics);
-    # /v1 has its own handler and metrics (llmgw_site.metrics).
+    # /v1 has its own handler and metrics (telemetry.metrics).
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -386,7 +386,7 @@ LLMGW_USAGE_JOURNAL_DIR = Path(env_str(ENV, "LLMGW_USAGE_JOURNAL_DIR", str(VAR_D
 # SSE comments sent to a stream while it waits for a cold model, so proxies keep it open.
 LLMGW_KEEPALIVE_INTERVAL: float = _read(env_float, "LLMGW_KEEPALIVE_INTERVAL", 5.0, minimum=0.05)
 
-# --- metrics (llmgw_site.metrics) ------------------------------------------------------------
+# --- metrics (telemetry.metrics) ------------------------------------------------------------
 # /metrics answers only "Authorization: Bearer <this>"; unset (the default) turns it off.
 LLMGW_METRICS_TOKEN: str = env_str(ENV, "LLMGW_METRICS_TOKEN", "")
 # Multiprocess mode: each web process writes its samples under this folder and any of them
@@ -431,13 +431,13 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": LLMGW_RECONCILE_INTERVAL,
         "options": {"expires": LLMGW_RECONCILE_INTERVAL * 0.9},
     },
-    # Leader-gated like the reconcile tick; idempotent (gateway.rollups).
+    # Leader-gated like the reconcile tick; idempotent (gateway.ledger.rollups).
     "usage-rollups": {
         "task": "gateway.tasks.roll_up_usage",
         "schedule": LLMGW_USAGE_ROLLUP_INTERVAL,
         "options": {"expires": LLMGW_USAGE_ROLLUP_INTERVAL * 0.9},
     },
-    # Leader-gated; lifts counters only, so a repeat is harmless (gateway.budgets).
+    # Leader-gated; lifts counters only, so a repeat is harmless (gateway.identity.budgets).
     "budget-refresh": {
         "task": "gateway.tasks.refresh_budgets",
         "schedule": LLMGW_BUDGET_REFRESH_INTERVAL,
@@ -520,7 +520,8 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str(ENV, "LLMGW_LOG_LEVEL", "INFO").upper()},
     "loggers": {
-        # LLMGW_DEBUG_LOGGERS=control.reconciler,gateway.proxy turns up one subsystem at a time.
+        # LLMGW_DEBUG_LOGGERS=control.reconciler,gateway.relay.proxy turns up one subsystem at a
+        # time.
         **{
             name: {"level": "DEBUG"}
             for name in env_str(ENV, "LLMGW_DEBUG_LOGGERS", "").split(",")

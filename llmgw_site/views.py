@@ -18,8 +18,8 @@ from django.utils import timezone
 
 from control import dashboard
 from control.gauges import FleetCollector
-from gateway import traffic
-from llmgw_site import metrics
+from gateway.ledger import traffic
+from telemetry import metrics
 
 # --------------------------------------------------------------------------- the dashboard
 

@@ -18,7 +18,7 @@ A stop (SIGTERM, or Ctrl-C) is graceful: the process stops accepting at once, ``
 answers 503 ``draining``, agents' streams are closed with 1012 (service restart: reconnect
 now, elsewhere), and requests in flight run on for up to ``LLMGW_SHUTDOWN_GRACE`` seconds.
 Then those still running are ended with an OpenAI-shaped error and recorded as interrupted
-(``gateway.drain``), the usage rows are stored, and the process exits. A second signal of
+(``gateway.relay.drain``), the usage rows are stored, and the process exits. A second signal of
 the same stop (a terminal's Ctrl-C reaches every process, then ``manage.py run`` sends
 SIGTERM) changes nothing; one that comes later forces the exit.
 
@@ -42,7 +42,7 @@ from types import FrameType
 
 import uvicorn
 
-from gateway.drain import drain
+from gateway.relay.drain import drain
 from llmgw_site.config import DEFAULT_IDLE_LINGER, DEFAULT_SHUTDOWN_GRACE, env_bool, env_float
 
 logger = logging.getLogger("llmgw.webserver")

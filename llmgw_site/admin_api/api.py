@@ -1,11 +1,12 @@
 """``/api/admin/v1/``: the operators' API (django-ninja), with its own OpenAPI document at
 ``/api/admin/v1/openapi.json`` (interactive docs at ``/api/admin/v1/docs``).
 
-An edge: each route parses its input, calls the one domain function for the change (the same
-the admin's actions and the ``manage.py`` commands call: ``control.operations``,
-``control.node_tokens``, ``gateway.keys``, ``gateway.people``, ``llmgw_site.catalog``) and
-formats the result. Errors are ``{"error": {"code", "message", "field"}}``; every list is
-paginated with ``limit`` and ``offset`` and answers ``{"items", "count"}``.
+An edge: each route parses its input, calls the one domain function for the change (the same the
+admin's actions and the ``manage.py`` commands call: ``control.operations``,
+``control.node_tokens``, ``gateway.identity.keys``, ``gateway.identity.people``,
+``llmgw_site.catalog``) and formats the result. Errors are ``{"error": {"code", "message",
+"field"}}``; every list is paginated with ``limit`` and ``offset`` and answers ``{"items",
+"count"}``.
 
 Routes are synchronous: this is an operator's API, not the request path, and the ORM calls
 would need a thread each anyway.
@@ -36,8 +37,9 @@ from pydantic import ConfigDict, field_validator
 
 from control import leases, node_certs, node_tokens, operations
 from control.models import Event, Node, Profile, Replica, ServedModel
-from gateway import keys, reports
-from gateway import people as gateway_people
+from gateway.identity import keys
+from gateway.identity import people as gateway_people
+from gateway.ledger import reports
 from gateway.models import ApiKey, TeamLimits, UsageRecord, UserLimits
 from llmgw_site import catalog
 from llmgw_site.admin_api.auth import AdminAuth, Caller, Denied

@@ -14,8 +14,8 @@ from django.utils import timezone
 
 from control import dashboard, leases
 from control.models import Event, Node, Replica
-from gateway import traffic as gateway_traffic
-from gateway.traffic import TTFT_BOUNDS_MS, quantile
+from gateway.ledger import traffic as gateway_traffic
+from gateway.ledger.traffic import TTFT_BOUNDS_MS, quantile
 from llmgw_site.views import dashboard_snapshot
 from tests.harness.factories import (
     make_key,

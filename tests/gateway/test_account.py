@@ -9,7 +9,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from gateway.keys import KEY_PREFIX, hash_key
+from gateway.identity.keys import KEY_PREFIX, hash_key
 from gateway.models import ApiKey
 from tests.harness.factories import PASSWORD, make_key, make_usage, make_user
 
@@ -153,7 +153,7 @@ def test_a_non_staff_user_cannot_reach_admin_data_or_other_accounts() -> None:
 
 
 def test_active_keys_are_capped_per_user() -> None:
-    from gateway import account
+    from gateway.identity import account
 
     make_user("alice")
     for _ in range(account.MAX_ACTIVE_KEYS):
@@ -184,7 +184,7 @@ def limited_user(username: str, **limits: object) -> Client:
 
 
 def loaded(prefix: str) -> object:
-    from gateway import keys
+    from gateway.identity import keys
 
     return keys._load(ApiKey.objects.get(prefix=prefix).key_hash)
 

@@ -1,5 +1,5 @@
-"""Budget counters put right from the records (``gateway.budgets``): a counter that was lost
-(Redis restarted without persistence, a flushed table) must not let a key, a user or a team
+"""Budget counters put right from the records (``gateway.identity.budgets``): a counter that was
+lost (Redis restarted without persistence, a flushed table) must not let a key, a user or a team
 spend its budget a second time; a refresh never gives back what running requests reserved."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from django.utils import timezone
 
 from control import leases
 from control.reconciler import process_reconciler
-from gateway import budgets, keys, limits, tasks
+from gateway import tasks
 from gateway.errors import ApiError
+from gateway.identity import budgets, keys, limits
 from gateway.models import LimitCounter, TeamLimits, UserLimits
 from tests.harness.factories import make_key, make_usage
 from tests.harness.live import close_db_thread

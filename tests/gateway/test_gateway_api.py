@@ -1,5 +1,5 @@
 """The ninja operations behind ``/v1``, called through Django's own test client (the stock
-handler), against what ``gateway.asgi`` and ``llmgw_site.asgi`` answer without Django: the same
+handler), against what ``gateway.edge.asgi`` and ``llmgw_site.asgi`` answer without Django: the same
 answers either way; and what a web process imports only on first use."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
-from gateway.upstreams import upstreams
-from gateway.usage import recorder
+from gateway.ledger.usage import recorder
+from gateway.routing.upstreams import upstreams
 from tests.harness.factories import make_key, serve_model
 from tests.harness.live import close_db_thread
 
@@ -83,9 +83,9 @@ async def call_asgi(
 
 
 async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tuple[int, bytes]:
-    """One request through ``gateway.asgi``'s application, failing if the application hands it
+    """One request through ``gateway.edge.asgi``'s application, failing if the application hands it
     to Django's handler."""
-    from gateway.asgi import V1App
+    from gateway.edge.asgi import V1App
 
     async def not_through_django(*args: Any) -> None:
         raise AssertionError(f"{method} {path} went to Django's handler (ninja)")
@@ -115,7 +115,7 @@ async def test_a_module_loaded_on_first_use_is_imported_once_off_the_event_loop(
 ) -> None:
     """What a URLconf's first import costs is not spent on the event loop, where every request
     in flight would wait for it, and concurrent first requests import it once."""
-    from gateway.asgi import imported
+    from gateway.edge.asgi import imported
 
     (tmp_path / "slow_urls.py").write_text(
         "import threading, time\nIMPORTS.append(threading.get_ident())\ntime.sleep(0.2)\n"
@@ -174,17 +174,17 @@ print(sorted(m for m in loaded if m in sys.modules))
 
 
 def test_what_a_web_process_loads_on_first_use_is_kept_out_of_full_collections() -> None:
-    """The process freezes what it loaded at start (``gateway.upstreams``); the admin, ninja and
-    Celery come later, on first use, and are frozen then: unfrozen, they made every full
+    """The process freezes what it loaded at start (``gateway.routing.upstreams``); the admin, ninja
+    and Celery come later, on first use, and are frozen then: unfrozen, they made every full
     collection scan some 60,000 objects, a stall for each request in flight."""
     script = """
 import asyncio, gc
 import llmgw_site.asgi
-from gateway.asgi import imported
+from gateway.edge.asgi import imported
 gc.freeze()  # as the process does once it is ready
 import llmgw_site.celery  # as the first early reconcile tick does
 print(len(gc.get_objects()))
-asyncio.run(imported("gateway.v1_urls"))  # as the first request that needs each does
+asyncio.run(imported("gateway.edge.v1_urls"))  # as the first request that needs each does
 asyncio.run(imported("llmgw_site.urls"))
 print(len(gc.get_objects()))
 """
@@ -199,7 +199,7 @@ async def test_what_follows_a_whole_answer_runs_once_it_is_written_or_could_not_
     import asyncio
 
     from gateway import responses
-    from gateway.asgi import send_answer
+    from gateway.edge.asgi import send_answer
 
     events: list[str] = []
 

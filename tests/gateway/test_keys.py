@@ -13,7 +13,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from gateway import keys
+from gateway.identity import keys
 from gateway.models import ApiKey
 from tests.harness.clock import FakeClock
 from tests.harness.live import close_db_thread

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 
-from gateway import counting, limits
 from gateway.errors import ApiError
-from gateway.keys import KeyInfo, Scope, narrowest_models
+from gateway.identity import limits
+from gateway.identity.keys import KeyInfo, Scope, narrowest_models
+from gateway.relay import counting
 from tests.harness.live import close_db_thread
 from tests.harness.redis import RedisServer
 

@@ -93,7 +93,7 @@ def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
     body = json.dumps(
         {"model": "lim", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10}
     ).encode()
-    reservation = len(body) // 4 + 10  # what gateway.limits.plan reserves for this body
+    reservation = len(body) // 4 + 10  # what gateway.identity.limits.plan reserves for this body
     budget = reservation + 5
     if holder == "key":
         keys = [make_key(budget=budget)]

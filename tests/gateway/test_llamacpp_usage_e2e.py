@@ -196,7 +196,7 @@ def test_without_its_tokenizer_a_stream_from_llamacpp_is_estimated(
             )
             with_usage = [c for c in chunks if c.usage is not None]
             assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
-            # gateway.counting's estimate: 4 per message plus one per 4 bytes of its text, and
+            # gateway.relay.counting's estimate: 4 per message plus one per 4 bytes of its text, and
             # one token per content event relayed.
             prompt = 4 + -(-len(b"hello there") // 4)
             completion = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)

@@ -16,7 +16,7 @@ import pytest
 from django.utils import timezone
 
 from control.models import Replica, ServedModel
-from gateway import keys
+from gateway.identity import keys
 from gateway.models import ApiKey
 from tests.harness.factories import make_key, serve_model, usage_rows
 from tests.harness.live import Stack, gateway_stack, http, sim_metrics, wait_for_rows

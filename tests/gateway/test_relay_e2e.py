@@ -324,7 +324,7 @@ def test_a_client_gone_before_the_gateway_listens_for_it_leaves_no_engine_reques
     stack: Any,
 ) -> None:
     """The gateway starts listening for a hang-up only once a request has run a moment
-    (gateway.asgi.LISTEN_AFTER_S); a client that left before that is found then, at once: an
+    (gateway.edge.asgi.LISTEN_AFTER_S); a client that left before that is found then, at once: an
     engine request that was sent is cancelled, and the row says the client left."""
     web, sim_a, _ = stack
     key, api_key = make_key()

@@ -1,4 +1,4 @@
-"""What the relay reads from bodies (``gateway.payload``): pure functions over bytes."""
+"""What the relay reads from bodies (``gateway.relay.payload``): pure functions over bytes."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from gateway import payload
 from gateway.errors import ApiError
-from gateway.routes import BY_KIND
+from gateway.relay import payload
+from gateway.relay.routes import BY_KIND
 
 CHAT = BY_KIND["chat"]
 

@@ -10,7 +10,8 @@ import pytest
 
 from control import leases
 from control.reconciler import process_reconciler
-from gateway import reports, rollups, tasks
+from gateway import tasks
+from gateway.ledger import reports, rollups
 from gateway.models import RollupMark, UsageRecord, UsageRollup
 from tests.harness.factories import make_key, make_usage
 

@@ -1,4 +1,4 @@
-"""Routing decisions (``gateway.routing``), pure: no database, no clock, no network."""
+"""Routing decisions (``gateway.routing.table``), pure: no database, no clock, no network."""
 
 from __future__ import annotations
 
@@ -6,16 +6,25 @@ from collections import Counter
 
 import pytest
 
-from gateway import routing
-from gateway.routing import CatalogRow, EndpointRow, ReplicaRow, Upstream
+from gateway.addresses import upstream_url_problem
+from gateway.routing.table import (
+    CatalogRow,
+    EndpointRow,
+    ReplicaRow,
+    Table,
+    Upstream,
+    base_url,
+    build_table,
+    choose,
+)
 
 LLAMA = CatalogRow(id=1, name="llama", aliases=("l3", "mistral"), activation_timeout_s=30)
 MISTRAL = CatalogRow(id=2, name="mistral")
 OFF = CatalogRow(id=3, name="retired", enabled=False)
 
 
-def table() -> routing.Table:
-    return routing.build_table(
+def table() -> Table:
+    return build_table(
         [LLAMA, MISTRAL, OFF],
         [
             ReplicaRow(10, 1, "fast", "10.0.0.1", 8000),
@@ -73,19 +82,19 @@ HEAVY = Upstream("h", "http://h:1", weight=3)
 
 
 def test_least_outstanding_wins() -> None:
-    assert routing.choose([A, B], {"a": 2, "b": 1}, {}, 0.0) == B
-    assert routing.choose([A, B], {"a": 0, "b": 1}, {}, 0.0) == A
+    assert choose([A, B], {"a": 2, "b": 1}, {}, 0.0) == B
+    assert choose([A, B], {"a": 0, "b": 1}, {}, 0.0) == A
 
 
 def test_weight_divides_the_load() -> None:
     # (2+1)/3 = 1 < (1+1)/1 = 2: the heavy upstream takes a third request before A takes a second.
-    assert routing.choose([A, HEAVY], {"a": 1, "h": 2}, {}, 0.0) == HEAVY
-    assert routing.choose([A, HEAVY], {"a": 1, "h": 6}, {}, 0.0) == A
+    assert choose([A, HEAVY], {"a": 1, "h": 2}, {}, 0.0) == HEAVY
+    assert choose([A, HEAVY], {"a": 1, "h": 6}, {}, 0.0) == A
 
 
 def test_ties_rotate_so_idle_upstreams_share_requests() -> None:
     picks = Counter(
-        routing.choose([A, B], {}, {}, 0.0, offset=i).id  # type: ignore[union-attr]
+        choose([A, B], {}, {}, 0.0, offset=i).id  # type: ignore[union-attr]
         for i in range(10)
     )
     assert picks == {"a": 5, "b": 5}
@@ -93,18 +102,18 @@ def test_ties_rotate_so_idle_upstreams_share_requests() -> None:
 
 def test_ejected_upstreams_are_skipped_until_their_cool_down_ends() -> None:
     ejected = {"a": 100.0}
-    assert routing.choose([A, B], {"b": 50}, ejected, now=99.0) == B
-    assert routing.choose([A, B], {"b": 50}, ejected, now=100.0) == A
+    assert choose([A, B], {"b": 50}, ejected, now=99.0) == B
+    assert choose([A, B], {"b": 50}, ejected, now=100.0) == A
 
 
 def test_when_all_are_ejected_one_is_still_tried() -> None:
-    assert routing.choose([A], {}, {"a": 100.0}, now=0.0) == A
+    assert choose([A], {}, {"a": 100.0}, now=0.0) == A
 
 
 def test_excluded_upstreams_are_never_chosen() -> None:
-    assert routing.choose([A, B], {"b": 9}, {}, 0.0, exclude={"a"}) == B
-    assert routing.choose([A, B], {}, {}, 0.0, exclude={"a", "b"}) is None
-    assert routing.choose([], {}, {}, 0.0) is None
+    assert choose([A, B], {"b": 9}, {}, 0.0, exclude={"a"}) == B
+    assert choose([A, B], {}, {}, 0.0, exclude={"a", "b"}) is None
+    assert choose([], {}, {}, 0.0) is None
 
 
 @pytest.mark.parametrize(
@@ -122,12 +131,12 @@ def test_excluded_upstreams_are_never_chosen() -> None:
     ],
 )
 def test_metadata_link_local_and_odd_schemes_are_refused(url: str) -> None:
-    assert routing.upstream_url_problem(url) is not None
+    assert upstream_url_problem(url) is not None
 
 
 @pytest.mark.parametrize("url", ["http://10.0.0.5:8000/v1", "https://engine.internal"])
 def test_private_and_named_hosts_are_allowed(url: str) -> None:
-    assert routing.upstream_url_problem(url) is None
+    assert upstream_url_problem(url) is None
 
 
 @pytest.mark.parametrize(
@@ -146,22 +155,22 @@ def test_numeric_forms_of_metadata_and_loopback_are_refused_as_resolvers_read_th
     url: str,
 ) -> None:
     """A resolver reads these as the addresses they encode; so does the check."""
-    assert routing.upstream_url_problem(url) is not None
+    assert upstream_url_problem(url) is not None
 
 
 def test_ipv6_hosts_get_brackets() -> None:
-    assert routing.base_url("fd00::5", 8000) == "http://[fd00::5]:8000"
+    assert base_url("fd00::5", 8000) == "http://[fd00::5]:8000"
 
 
 def test_a_plain_name_prefers_its_default_profiles_replicas() -> None:
     llama = CatalogRow(id=1, name="llama", default_profile="small")
     rows = [ReplicaRow(10, 1, "fast", "10.0.0.1", 8000), ReplicaRow(11, 1, "small", "h", 8001)]
-    both = routing.build_table([llama], rows, [], profiles={1: ["fast", "small"]})
+    both = build_table([llama], rows, [], profiles={1: ["fast", "small"]})
     route = both.resolve("llama")
     assert route is not None and route.profile is None
     assert [u.id for u in route.upstreams] == ["replica:11"]
     # With the default profile cold, the others serve plain requests meanwhile.
-    only_fast = routing.build_table([llama], rows[:1], [], profiles={1: ["fast", "small"]})
+    only_fast = build_table([llama], rows[:1], [], profiles={1: ["fast", "small"]})
     fallback = only_fast.resolve("llama")
     assert fallback is not None and [u.id for u in fallback.upstreams] == ["replica:10"]
 
@@ -169,14 +178,14 @@ def test_a_plain_name_prefers_its_default_profiles_replicas() -> None:
 def test_name_at_profile_is_served_only_by_that_profile_and_says_which() -> None:
     llama = CatalogRow(id=1, name="llama", default_profile="small")
     rows = [ReplicaRow(11, 1, "small", "h", 8001)]
-    cold = routing.build_table([llama], rows, [], profiles={1: ["fast", "small"]})
+    cold = build_table([llama], rows, [], profiles={1: ["fast", "small"]})
     route = cold.resolve("llama@fast")
     assert route is not None and route.profile == "fast" and route.upstreams == ()
     assert not route.default_profile, "its demand starts a replica under fast"
     default = cold.resolve("llama@small")
     assert default is not None and default.profile == "small" and default.default_profile
     assert [u.id for u in default.upstreams] == ["replica:11"]
-    only_fast = routing.build_table(
+    only_fast = build_table(
         [llama], [ReplicaRow(10, 1, "fast", "h", 8000)], [], profiles={1: ["fast", "small"]}
     )
     explicit = only_fast.resolve("llama@small")
@@ -188,7 +197,7 @@ async def test_a_replica_going_busy_after_an_idle_spell_is_reported_shortly_not_
     that made it busy waits for its first bytes (the report's queries would hold the GIL)."""
     import asyncio
 
-    from gateway.upstreams import BUSY_REPORT_DELAY_S, Upstreams
+    from gateway.routing.upstreams import BUSY_REPORT_DELAY_S, Upstreams
 
     upstreams = Upstreams()
     upstreams._loop = asyncio.get_running_loop()

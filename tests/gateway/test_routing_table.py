@@ -7,7 +7,7 @@ from django.core.exceptions import ValidationError
 
 from control.models import Node, Replica
 from gateway.models import Endpoint
-from gateway.upstreams import load_table
+from gateway.routing.upstreams import load_table
 from tests.harness.factories import serve_model
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -1,4 +1,4 @@
-"""The relay's HTTP/1.1 client (``gateway.upstream_client``) against real sockets: small
+"""The relay's HTTP/1.1 client (``gateway.relay.upstream_client``) against real sockets: small
 asyncio servers on loopback that answer the way engines do, and the ways they fail."""
 
 from __future__ import annotations
@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.upstream_client import (
+from gateway.addresses import AddressPolicy, address_problem
+from gateway.relay.upstream_client import (
     HIGH_WATER,
-    AddressPolicy,
     Broken,
     Dropped,
     Forbidden,
     Pool,
     Unreachable,
-    address_problem,
 )
 from tests.harness.procs import free_port
 

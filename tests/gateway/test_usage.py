@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from gateway import usage
+from gateway.ledger import usage
+from gateway.ledger.usage import Usage
 from gateway.models import UsageRecord
-from gateway.usage import Usage
 from tests.harness.live import close_db_thread
 
 
@@ -47,7 +47,7 @@ def test_storing_the_same_rows_twice_keeps_one_of_each() -> None:
 
 
 def test_rows_of_a_deleted_key_are_kept_without_the_key(django_user_model: Any) -> None:
-    from gateway import keys
+    from gateway.identity import keys
 
     django_user_model.objects.create_user(username="u")
     issued = keys.issue("u")

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from control import node_tokens
 from control.models import Gpu, Node, Profile, Replica, ServedModel, Shard
-from gateway import keys
+from gateway.identity import keys
 from gateway.models import ApiKey, UsageRecord
 
 PASSWORD = "correct horse battery staple"

@@ -19,8 +19,8 @@ from email.message import Message
 from pathlib import Path
 from typing import Any
 
+from gateway.ledger.usage import read_journal
 from gateway.models import ApiKey, UsageRecord
-from gateway.usage import read_journal
 from tests.harness.factories import ISSUED, usage_rows
 from tests.harness.procs import PYTHON, Proc, free_port, web_process
 from tests.harness.store import child_env

@@ -14,7 +14,7 @@ from django.test import Client
 from django.urls import reverse
 
 from control.models import Event, Node, Profile, Replica, ServedModel
-from gateway.keys import KEY_PREFIX, hash_key
+from gateway.identity.keys import KEY_PREFIX, hash_key
 from gateway.models import ApiKey, Endpoint
 from tests.harness.factories import (
     PASSWORD,

@@ -18,7 +18,7 @@ from django.test import Client
 
 from control import node_certs, node_tokens
 from control.models import Event, Node, Profile, Replica, ServedModel
-from gateway import keys, people
+from gateway.identity import keys, people
 from gateway.models import ApiKey, TeamLimits, UserLimits
 from llmgw_site.admin_api import tokens
 from llmgw_site.admin_api.models import AdminToken

@@ -33,7 +33,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from control.models import Event, ServedModel
-from gateway.keys import KEY_PREFIX
+from gateway.identity.keys import KEY_PREFIX
 from gateway.models import ApiKey, UsageRecord
 from tests.harness.browser import Browser
 from tests.harness.cluster import Cluster, ready_replicas

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.keys import KEY_PREFIX
+from gateway.identity.keys import KEY_PREFIX
 from gateway.models import ApiKey, UsageRecord, UserLimits
 from tests.harness.browser import Browser
 from tests.harness.factories import PASSWORD, make_user, serve_model

@@ -137,7 +137,7 @@ def test_a_connection_whose_stream_began_before_the_stop_stays_usable_after_it(
 async def test_healthz_says_draining_once_the_stop_began() -> None:
     """A balancer's probe that still reaches a stopping process (a connection accepted just
     before the stop) learns to move away; the process was healthy until then."""
-    from gateway.drain import drain
+    from gateway.relay.drain import drain
     from llmgw_site.asgi import application
 
     async def probe() -> tuple[int, bytes]:

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control import leases
 from control.models import Node
-from llmgw_site import metrics, views
+from llmgw_site import views
+from telemetry import metrics
 from tests.harness.factories import make_key, make_model, make_node, make_replica, serve_model
 from tests.harness.live import http, start_sim, start_web, stop_checked
 from tests.harness.procs import REPO_ROOT, Proc
@@ -286,7 +287,7 @@ def test_a_dead_processes_live_gauges_are_dropped_and_its_counters_kept(tmp_path
         "import django, os\n"
         "os.environ['DJANGO_SETTINGS_MODULE'] = 'llmgw_site.settings'\n"
         "django.setup()\n"
-        "from llmgw_site import metrics\n"
+        "from telemetry import metrics\n"
         "metrics.WAITING.labels('m').inc(3)\n"
         "metrics.observe_request('m', 200, prompt_tokens=1, completion_tokens=2,"
         " ttft_s=0.1, duration_s=0.2)\n"

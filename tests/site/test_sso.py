@@ -22,7 +22,7 @@ from django.contrib.auth.models import Group, User
 from django.core.exceptions import SuspiciousOperation
 from django.test import Client
 
-from gateway import people
+from gateway.identity import people
 from llmgw_site import sso
 from tests.harness.browser import Browser
 from tests.harness.factories import PASSWORD, make_user

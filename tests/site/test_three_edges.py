@@ -11,7 +11,7 @@ forms, ``manage.py import_catalog`` with a file, and the API's routes (which cal
 import); the whole catalog document (``export_catalog``'s) must come out the same.
 
 Users and teams are made and changed on Django's own user and group pages (whose saves and
-deletes go through ``gateway.people``), by ``create_user``, ``set_user``, ``create_team``,
+deletes go through ``gateway.identity.people``), by ``create_user``, ``set_user``, ``create_team``,
 ``set_team_members`` and ``delete_team``, and by the API's people routes; the compared outcome
 includes every user's fields, teams and permissions and every team's members.
 
@@ -39,7 +39,7 @@ from django.test import Client
 
 from control import node_certs, node_tokens
 from control.models import Event, Node, Profile, Replica, ServedModel
-from gateway import people as gateway_people
+from gateway.identity import people as gateway_people
 from gateway.models import ApiKey, TeamLimits, UserLimits
 from llmgw_site import catalog as catalog_document
 from llmgw_site.admin_api import tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from django.contrib.auth.models import User
 
-from gateway import people
+from gateway.identity import people
 
 PEOPLE_ERRORS = (people.Conflict, people.Missing, people.PersonInvalid)
 

@@ -10,7 +10,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from gateway import keys
+from gateway.identity import keys
 from gateway.models import ApiKey
 
 

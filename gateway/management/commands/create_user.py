@@ -11,7 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from gateway import people
+from gateway.identity import people
 from gateway.management.commands._people import PEOPLE_ERRORS, describe_user, names
 from gateway.management.commands.set_limits import cli_actor
 

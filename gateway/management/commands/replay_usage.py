@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from gateway import usage
+from gateway.ledger import usage
 
 
 class Command(BaseCommand):

@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from gateway import keys
+from gateway.identity import keys
 from gateway.models import ApiKey
 
 

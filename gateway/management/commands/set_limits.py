@@ -15,7 +15,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from gateway import people
+from gateway.identity import people
 from gateway.models import ApiKey, TeamLimits, UserLimits
 
 

@@ -9,7 +9,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from gateway import keys, reports
+from gateway.identity import keys
+from gateway.ledger import reports
 
 
 class Command(BaseCommand):

@@ -28,9 +28,10 @@ from django.db import transaction
 
 from control import node_tokens
 from control.models import Event, Profile, ServedModel
-from gateway import keys
+from gateway.identity import keys
 from gateway.models import ApiKey, Endpoint
-from llmgw_site import launcher, metrics
+from llmgw_site import launcher
+from telemetry import metrics
 
 DEMO_KEY_NAME = "make run demo"
 LOCAL_NODE = "local"

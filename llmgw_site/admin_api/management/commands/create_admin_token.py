@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from gateway.keys import parse_expiry
+from gateway.identity.keys import parse_expiry
 from llmgw_site.admin_api import tokens
 from llmgw_site.admin_api.models import AdminToken
 

@@ -1,5 +1,5 @@
 """``/v1``: the OpenAI-compatible API (django-ninja, async). An edge: it authenticates, then
-hands the request to ``gateway.proxy``; the OpenAPI document it publishes is at
+hands the request to ``gateway.relay.proxy``; the OpenAPI document it publishes is at
 ``/v1/openapi.json`` (interactive docs at ``/v1/docs``)."""
 
 from __future__ import annotations
@@ -16,15 +16,20 @@ from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security.http import HttpBearer
 
-from gateway import dbthread, keys, limits, proxy, rollups, schemas
+from gateway import dbthread
+from gateway.edge import schemas
 from gateway.errors import ApiError, error_response, invalid_key
-from gateway.keys import KeyInfo
+from gateway.identity import keys, limits
+from gateway.identity.keys import KeyInfo
+from gateway.ledger import rollups
+from gateway.relay import proxy
+from gateway.relay.routes import RELAY_ROUTES, RelayRoute
 from gateway.responses import Response
-from gateway.routes import RELAY_ROUTES, RelayRoute
 
 
 class BearerKey(HttpBearer):
-    """``Authorization: Bearer llmgw-…``. Async, cached (``gateway.keys``), and never logged."""
+    """``Authorization: Bearer llmgw-…``. Async, cached (``gateway.identity.keys``), never
+    logged."""
 
     async def __call__(self, request: HttpRequest) -> KeyInfo | None:
         return await keys.authenticate(request.headers.get("Authorization"))
@@ -78,7 +83,7 @@ _SSE_EVENT: dict[str, Any] = {
 
 
 def _schema(name: str) -> type[Schema]:
-    """A documented body of ``gateway.schemas`` by the name a relay route gives."""
+    """A documented body of ``gateway.edge.schemas`` by the name a relay route gives."""
     schema: type[Schema] = getattr(schemas, name)
     return schema
 
@@ -158,13 +163,13 @@ def _key(request: HttpRequest) -> KeyInfo:
 )
 async def list_models(request: HttpRequest) -> HttpResponseBase:
     """The models this key may use: the catalog and static endpoints' models."""
-    # Under llmgw_site.asgi this path is served by gateway.asgi without ninja (same function).
+    # Under llmgw_site.asgi this path is served by gateway.edge.asgi without ninja (same function).
     return to_django(await proxy.model_list(_key(request)))
 
 
 def _relay_view(route: RelayRoute) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:
     async def view(request: HttpRequest) -> HttpResponseBase:
-        # Under llmgw_site.asgi these paths are served by gateway.asgi without ninja (same
+        # Under llmgw_site.asgi these paths are served by gateway.edge.asgi without ninja (same
         # function, same answers); this is the path for any other mounting.
         answer = await proxy.relay(request.body, _key(request), route, time.perf_counter())
         return to_django(answer)
@@ -177,7 +182,7 @@ for _route in RELAY_ROUTES:
         _route.path.removeprefix("/v1"),
         response={200: _schema(_route.response), **_ERRORS},
         openapi_extra=_body_doc(_route),
-        # As ninja names operations after their views (gateway.api.chat_completions ...).
+        # As ninja names operations after their views (gateway.edge.api.chat_completions ...).
         operation_id="gateway_api_" + _route.path.removeprefix("/v1/").replace("/", "_"),
         summary=_route.summary,
         tags=[_route.tag],

@@ -1,8 +1,8 @@
 """The relay routes: the ``/v1`` paths that go to an engine, declared once.
 
-Everything else is derived from this table: ``gateway.asgi`` dispatches on ``BY_PATH``, the
+Everything else is derived from this table: ``gateway.edge.asgi`` dispatches on ``BY_PATH``, the
 relay posts to the same path on the engine and reads ``streams``/``chunked`` to decide what a
-body may ask for, and ``gateway.api`` makes one documented ninja operation of each route, so
+body may ask for, and ``gateway.edge.api`` makes one documented ninja operation of each route, so
 the OpenAPI document at ``/v1/openapi.json`` describes exactly what is served.
 """
 
@@ -17,7 +17,7 @@ class RelayRoute:
     kind: str  # the short name recorded as a usage row's endpoint
     summary: str
     tag: str
-    # The documented bodies, by their class names in ``gateway.schemas``: documented only
+    # The documented bodies, by their class names in ``gateway.edge.schemas``: documented only
     # (bodies are forwarded as bytes, never validated), so the request path never imports
     # ninja or pydantic (a third of a web process's start).
     request: str

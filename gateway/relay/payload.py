@@ -27,7 +27,8 @@ from typing import Any
 import orjson
 
 from gateway.errors import ApiError, bad_field
-from gateway.routes import RelayRoute
+from gateway.ledger.usage import MAX_COUNT, clamp_count
+from gateway.relay.routes import RelayRoute
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
@@ -45,8 +46,6 @@ MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _INTEGER_FIELDS = (*MAX_TOKEN_FIELDS, "n")
 # The field each route's engines read for the output cap, written when the client sent none.
 _CAP_FIELD = {"responses": "max_output_tokens"}
-# Every reported count is clamped to this (PostgreSQL's integer, and far past any real request).
-MAX_COUNT = 2**31 - 1
 # A stream's relayed bytes kept for counting when the engine reports no usage.
 KEEP_BYTES = 4 * 1024 * 1024
 
@@ -204,13 +203,6 @@ class Tokens:
     cached: int = 0
     # The counts the upstream reported outside 0..MAX_COUNT, as reported (for the Event).
     clamped: tuple[tuple[str, str], ...] = ()
-
-
-def clamp_count(value: Any) -> int:
-    """A token count as a row can hold it: an integer in 0..2^31-1 (pure)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        return 0
-    return min(value, MAX_COUNT)
 
 
 def _reported(value: Any) -> int | None:

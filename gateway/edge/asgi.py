@@ -1,11 +1,11 @@
 """The ASGI application that serves ``/v1``: raw ASGI for the relay routes and the model list,
 ninja for the rest.
 
-The routes that go to an engine (``gateway.routes``) are answered here without Django: no
+The routes that go to an engine (``gateway.relay.routes``) are answered here without Django: no
 request object, no URL resolver, no middleware, no ``HttpResponse``. This application reads
 the body (refusing one over ``LLMGW_MAX_BODY_BYTES`` with 413 as soon as its declared length,
 or for a chunked upload the bytes received so far, passes the limit), authenticates the key,
-calls ``gateway.proxy.relay`` and writes its ``Response``, a stream chunk by chunk as each
+calls ``gateway.relay.proxy.relay`` and writes its ``Response``, a stream chunk by chunk as each
 arrives; ``GET /v1/models`` too (clients list models often, some as a health check). Every
 other ``/v1`` path (key usage, the OpenAPI document) goes through django-ninja, on Django's
 handler without middleware and request signals: ``/v1`` authenticates bearer keys itself and
@@ -14,7 +14,7 @@ so the stock middleware's thread hops buy nothing.
 
 Nothing here depends on one ASGI server: uvicorn, granian and daphne all hand the body over
 as it arrives, so the limit holds on each (daphne also gets a guard of its own, because it
-spools the whole body before it calls the application: ``gateway.daphne_guard``).
+spools the whole body before it calls the application: ``gateway.edge.daphne_guard``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from django.core.handlers.asgi import ASGIHandler, ASGIRequest
 from django.core.handlers.exception import convert_exception_to_response
 from django.urls import set_script_prefix
 
-from gateway import keys, proxy
-from gateway.drain import drain
 from gateway.errors import ApiError, error_response, invalid_key, openai_shaped, too_large
-from gateway.keys import KeyInfo
+from gateway.identity import keys
+from gateway.identity.keys import KeyInfo
+from gateway.relay import proxy
+from gateway.relay.drain import drain
+from gateway.relay.routes import BY_PATH, RelayRoute
 from gateway.responses import Response
-from gateway.routes import BY_PATH, RelayRoute
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -138,7 +139,7 @@ async def _relay(
     No server cancels an application when its client goes away; it only says so through
     ``receive``. A second task listens there and cancels this one, which closes the upstream
     connection (so the engine stops generating) and records the request as disconnected.
-    A stop whose grace is over cancels it too (``gateway.drain``): then the client is told.
+    A stop whose grace is over cancels it too (``gateway.relay.drain``): then the client is told.
     """
     task = asyncio.current_task()
     assert task is not None
@@ -207,7 +208,7 @@ async def _tell_cut(send: Send, *, started: bool) -> None:
 # A relay request starts listening for its client's hang-up after this long (see _relay).
 LISTEN_AFTER_S = 0.05
 
-V1_URLCONF = "gateway.v1_urls"
+V1_URLCONF = "gateway.edge.v1_urls"
 
 _imported: set[str] = set()
 _importing: dict[str, asyncio.Future[object]] = {}
@@ -235,7 +236,7 @@ async def imported(module: str) -> None:
         return
     if module not in _imported:
         _imported.add(module)
-        # The process froze what it loaded at start (gateway.upstreams); what came now is
+        # The process froze what it loaded at start (gateway.routing.upstreams); what came now is
         # frozen too, so that full collections do not scan it (about 60,000 objects for the
         # site's URLconf: some 30 ms a collection here, a stall for every request in flight).
         gc.freeze()

@@ -2,16 +2,13 @@
 
 The routing table is built from rows the caller loaded (catalog models, ready replicas, static
 endpoints); ``choose`` picks an upstream by least outstanding requests per unit of weight,
-skipping upstreams ejected for a cool-down. ``gateway.upstreams`` does the I/O around these.
+skipping upstreams ejected for a cool-down. ``gateway.routing.upstreams`` does the I/O around these.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True)
@@ -256,51 +253,3 @@ def normalize_base(url: str) -> str:
     """Endpoints may be given with or without ``/v1``; the relay appends the API path."""
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
-
-
-_METADATA_HOSTS = frozenset(
-    {"metadata", "metadata.google.internal", "metadata.azure.com", "instance-data"}
-)
-
-
-def upstream_url_problem(url: str) -> str | None:
-    """Why a URL must not be an upstream (G5), or None if it may be.
-
-    Loopback (this machine's own services), link-local (which includes the cloud metadata
-    address 169.254.169.254), multicast and unspecified addresses, metadata host names and any
-    scheme but http(s) are refused unless an operator allows them. IPv4 is read the way a
-    resolver reads it, so ``2852039166`` and ``0xa9fea9fe`` are 169.254.169.254 here too. A
-    host name is checked again where it counts, against the address actually connected to
-    (``gateway.upstream_client``).
-    """
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "is not a valid URL"
-    if parts.scheme not in ("http", "https"):
-        return "must use http:// or https://"
-    host = (parts.hostname or "").lower().rstrip(".")
-    if not host:
-        return "has no host"
-    if host in _METADATA_HOSTS:
-        return "points at a cloud metadata service"
-    if host == "localhost" or host.endswith(".localhost"):
-        return "points at this machine (loopback)"
-    try:
-        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
-    except ValueError:
-        try:
-            address = ipaddress.IPv4Address(socket.inet_aton(host))
-        except OSError:
-            return None  # a host name: checked at connect time
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if address.is_loopback:
-        return "points at this machine (loopback)"
-    if address.is_link_local:
-        return "points at a link-local address (cloud metadata lives there)"
-    if address.is_multicast or address.is_unspecified or address.is_reserved:
-        return "points at an address no engine can have"
-    if str(address) == "fd00:ec2::254":
-        return "points at a cloud metadata service"
-    return None

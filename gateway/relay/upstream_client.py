@@ -3,7 +3,7 @@ one write per request, responses parsed by httptools (llhttp, the parser under N
 
 It does only what a relay needs: POST a body, read the status and headers, then the body whole
 or piece by piece as it arrives. No redirects, cookies, proxies, compression or retries of its
-own (``gateway.proxy`` decides retries, per phase deadlines and ejections). Measured against
+own (``gateway.relay.proxy`` decides retries, per phase deadlines and ejections). Measured against
 aiohttp in the same raw-ASGI relay, same run, uvicorn, ``sim`` upstream: 115-200 us of CPU per
 request against 255-375 us, and ~0.1 ms less added latency at p50.
 
@@ -20,57 +20,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import socket
 import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import Final, cast
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.addresses import AddressPolicy, address_problem
+
 # Stop reading from an upstream while this much of its answer waits for the client.
 HIGH_WATER = 256 * 1024
 DNS_TTL_S = 60.0
-
-
-class AddressPolicy(StrEnum):
-    """Which addresses a connection may end at, checked against the address actually
-    connected to (after resolution), so neither a DNS name nor a numeric trick reaches what
-    a URL's text seemed to avoid."""
-
-    ANY = "any"  # the operator named it in their own configuration, or allowed it on purpose
-    NODE = "node"  # an engine on a GPU node: private and loopback are normal; metadata is not
-    PUBLIC = "public"  # an Endpoint row: not this machine, and not the metadata service either
-
-
-# Cloud metadata services outside the link-local range (which holds 169.254.169.254).
-_METADATA_ADDRESSES: Final = frozenset(
-    {ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.100.100.200")}
-)
-
-
-def address_problem(address: str, policy: AddressPolicy | str) -> str | None:
-    """Why a connection must not be made to ``address`` under ``policy``, or None."""
-    if policy == AddressPolicy.ANY:
-        return None
-    try:
-        ip = ipaddress.ip_address(address.partition("%")[0])
-    except ValueError:
-        return f"{address!r} is not an IP address"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if ip.is_link_local or ip in _METADATA_ADDRESSES:
-        return f"{ip} is link-local or a cloud metadata address"
-    if ip.is_multicast or ip.is_unspecified or ip.is_reserved:
-        return f"{ip} is no address an upstream can have"
-    if policy == AddressPolicy.PUBLIC and ip.is_loopback:
-        return f"{ip} is this machine (loopback)"
-    return None
 
 
 class UpstreamError(Exception):

@@ -33,8 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway import payload, routing
-from gateway.upstream_client import Pool, UpstreamError
+from gateway.ledger.usage import clamp_count
+from gateway.relay import payload
+from gateway.relay.upstream_client import Pool, UpstreamError
+from gateway.routing.table import Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +212,7 @@ _baselines: dict[str, int] = {}
 class Tokenizer:
     """An upstream's tokenize endpoint, in whichever dialect it speaks."""
 
-    def __init__(self, pool: Pool, upstream: routing.Upstream, model: str) -> None:
+    def __init__(self, pool: Pool, upstream: Upstream, model: str) -> None:
         self.pool = pool
         self.base_url = upstream.base_url
         self.model = model
@@ -241,7 +243,7 @@ class Tokenizer:
             return None
         count = answer.get("count")
         if isinstance(count, int) and not isinstance(count, bool):
-            return payload.clamp_count(count)
+            return clamp_count(count)
         tokens = answer.get("tokens")
         return len(tokens) if isinstance(tokens, list) else None
 
@@ -277,7 +279,7 @@ class Tokenizer:
         usage = answer.get("usage") if status == 200 and isinstance(answer, dict) else None
         tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
-            return payload.clamp_count(tokens)
+            return clamp_count(tokens)
         return None
 
     async def _baseline(self, dialect: str) -> int:

@@ -22,7 +22,8 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from gateway import keys, people, reports, rollups
+from gateway.identity import keys, people
+from gateway.ledger import reports, rollups
 from gateway.models import ApiKey, UsageRecord
 
 LOGIN_URL = "/account/login/"

@@ -18,7 +18,7 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce, TruncDate
 from django.utils import timezone
 
-from gateway import rollups
+from gateway.ledger import rollups
 from gateway.models import ApiKey, UsageRecord
 
 GroupBy = Literal["model", "user", "key", "day"]

@@ -34,10 +34,20 @@ from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
 from control import serving
-from gateway import dbthread, routing
+from gateway import dbthread
+from gateway.addresses import AddressPolicy, upstream_url_problem
 from gateway.errors import ApiError
 from gateway.models import Endpoint
-from gateway.upstream_client import AddressPolicy
+from gateway.routing.table import (
+    CatalogRow,
+    EndpointRow,
+    ReplicaRow,
+    Route,
+    Table,
+    Upstream,
+    build_table,
+    choose,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +55,13 @@ logger = logging.getLogger(__name__)
 BUSY_REPORT_DELAY_S = 0.05
 
 
-def load_table(version: int = 0) -> routing.Table:
+def load_table(version: int = 0) -> Table:
     """Read what routes traffic and build a table (runs in the database thread): the catalog
     and the ready replicas from the control plane, the static endpoints from here."""
     dbthread.ready()
     snapshot = serving.routing_snapshot()
     catalog = [
-        routing.CatalogRow(
+        CatalogRow(
             id=entry.id,
             name=entry.name,
             aliases=entry.aliases,
@@ -68,27 +78,26 @@ def load_table(version: int = 0) -> routing.Table:
     ]
     profiles = {entry.id: set(entry.profiles) for entry in snapshot.models if entry.profiles}
     replicas = [
-        routing.ReplicaRow(r.id, r.model_id, r.profile, r.host, r.port, key=r.engine_key)
+        ReplicaRow(r.id, r.model_id, r.profile, r.host, r.port, key=r.engine_key)
         for r in snapshot.replicas
     ]
 
     # Static endpoints come from the operator's own configuration: any address they name.
     endpoints = [
-        routing.EndpointRow(f"static:{e.id}", e.url, e.models)
-        for e in settings.LLMGW_STATIC_ENDPOINTS
+        EndpointRow(f"static:{e.id}", e.url, e.models) for e in settings.LLMGW_STATIC_ENDPOINTS
     ]
     for slug, url, names, weight, allow_private in (
         Endpoint.objects.filter(enabled=True)
         .order_by()  # one table per statement (see control.serving.routing_snapshot)
         .values_list("slug", "url", "model_names", "weight", "allow_private_address")
     ):
-        problem = routing.upstream_url_problem(url)
+        problem = upstream_url_problem(url)
         if problem and not allow_private:
             # Refused at save time too; this catches rows written around the model's checks.
             logger.warning("endpoint %s: URL %s; not routed", slug, problem)
             continue
         endpoints.append(
-            routing.EndpointRow(
+            EndpointRow(
                 f"endpoint:{slug}",
                 url,
                 tuple(str(n) for n in names),
@@ -98,14 +107,14 @@ def load_table(version: int = 0) -> routing.Table:
                 addresses=AddressPolicy.ANY if allow_private else AddressPolicy.PUBLIC,
             )
         )
-    return routing.build_table(catalog, replicas, endpoints, profiles=profiles, version=version)
+    return build_table(catalog, replicas, endpoints, profiles=profiles, version=version)
 
 
 class Upstreams:
     """This process's routing table plus outstanding counts, ejections and demand stamps."""
 
     def __init__(self) -> None:
-        self.table = routing.Table()
+        self.table = Table()
         self.loaded = False
         self.outstanding: dict[str, int] = {}
         self.ejected_until: dict[str, float] = {}
@@ -130,7 +139,7 @@ class Upstreams:
 
     # --- the table ------------------------------------------------------------------------
 
-    async def ready(self) -> routing.Table:
+    async def ready(self) -> Table:
         """The current table; the first call in a process waits for the first load. Raises
         503 while no table could ever be loaded (the store is down since this process began):
         an empty table would answer every model with a misleading 404."""
@@ -230,9 +239,9 @@ class Upstreams:
     # --- choosing and accounting ---------------------------------------------------------
 
     def choose(
-        self, route: routing.Route, exclude: set[str] | frozenset[str] = frozenset()
-    ) -> routing.Upstream | None:
-        return routing.choose(
+        self, route: Route, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> Upstream | None:
+        return choose(
             route.upstreams,
             self.outstanding,
             self.ejected_until,
@@ -241,7 +250,7 @@ class Upstreams:
             offset=next(self._rotation),
         )
 
-    def acquire(self, upstream: routing.Upstream) -> None:
+    def acquire(self, upstream: Upstream) -> None:
         count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
         if count == 1 and upstream.id.startswith("replica:"):
             last_finished = self._active_at.get(upstream.id, -math.inf)
@@ -252,7 +261,7 @@ class Upstreams:
                 # already (its finish time is written by then), and the next cycle reports it.
                 self._report_shortly()
 
-    def release(self, upstream: routing.Upstream) -> None:
+    def release(self, upstream: Upstream) -> None:
         left = self.outstanding.get(upstream.id, 1) - 1
         if left <= 0:
             self.outstanding.pop(upstream.id, None)
@@ -272,14 +281,14 @@ class Upstreams:
             if uid.startswith("replica:") and n > 0
         }
 
-    def eject(self, upstream: routing.Upstream, seconds: float | None = None) -> None:
+    def eject(self, upstream: Upstream, seconds: float | None = None) -> None:
         cool_down = float(settings.LLMGW_EJECT_SECONDS) if seconds is None else seconds
         self.ejected_until[upstream.id] = time.monotonic() + cool_down
         logger.warning("upstream %s ejected for %.1fs", upstream.id, cool_down)
 
     # --- stamps for the reconciler (coalesced, written by the refresh task) ---------------
 
-    def note_request(self, route: routing.Route, upstream: routing.Upstream | None) -> None:
+    def note_request(self, route: Route, upstream: Upstream | None) -> None:
         # A request for model@profile is use of that profile's replicas, told through their
         # finish times and in-flight counts; the model's own stamp is its default profile's.
         if route.catalog_id is not None and route.default_profile:
@@ -287,7 +296,7 @@ class Upstreams:
         if upstream is not None and upstream.id.startswith("replica:"):
             self._pending_last_request.add(("replica", int(upstream.id[8:])))
 
-    def note_demand(self, route: routing.Route) -> None:
+    def note_demand(self, route: Route) -> None:
         """A request found no ready replica; the reconciler places one on its next tick."""
         if route.catalog_id is None:
             return

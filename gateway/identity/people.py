@@ -1,8 +1,8 @@
 """People: users and teams (Django users and groups), their limits, what they have spent, and
 the rule that a self-service key can only narrow them.
 
-The request path enforces limits through ``gateway.keys`` (a key's scopes) and
-``gateway.limits`` (counters shared by every key of a user or team). This module serves the
+The request path enforces limits through ``gateway.identity.keys`` (a key's scopes) and
+``gateway.identity.limits`` (counters shared by every key of a user or team). This module serves the
 pages: what ``/account/`` and the admin show (spend against budget per key, user and team)
 and the checks a self-made key passes.
 
@@ -31,7 +31,8 @@ from django.db import transaction
 from django.db.models import Q
 
 from control import serving
-from gateway import limits, rollups
+from gateway.identity import limits
+from gateway.ledger import rollups
 from gateway.models import ApiKey, TeamLimits, UserLimits
 
 

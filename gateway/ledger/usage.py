@@ -60,12 +60,23 @@ from django.db import (
 from django.utils import timezone
 
 from control import serving
-from gateway import dbthread, traffic
+from gateway import dbthread
+from gateway.ledger import traffic
 from gateway.models import ApiKey, UsageRecord
-from gateway.payload import clamp_count
-from llmgw_site import metrics
+from telemetry import metrics
 
 logger = logging.getLogger(__name__)
+
+# Every reported count is clamped to this (PostgreSQL's integer, and far past any real request).
+MAX_COUNT = 2**31 - 1
+
+
+def clamp_count(value: Any) -> int:
+    """A token count as a row can hold it: an integer in 0..2^31-1 (pure)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return 0
+    return min(value, MAX_COUNT)
+
 
 # Rotate the journal once it is this big (and everything in it is stored) ...
 SEGMENT_BYTES = 4 * 1024 * 1024
@@ -158,7 +169,7 @@ INSERT_SQL = (
     f"VALUES ({', '.join(['%s'] * len(COLUMNS))}) ON CONFLICT (request_id) DO NOTHING"
 )
 _MODEL_COLUMNS = {f.column for f in UsageRecord._meta.concrete_fields if not f.primary_key}
-assert set(COLUMNS) == _MODEL_COLUMNS, "UsageRecord changed: update gateway.usage.COLUMNS"
+assert set(COLUMNS) == _MODEL_COLUMNS, "UsageRecord changed: update gateway.ledger.usage.COLUMNS"
 
 
 def _line(kind: str, usage: Usage, **extra: Any) -> bytes:

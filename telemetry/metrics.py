@@ -17,7 +17,7 @@ The request path calls the ``observe_*`` functions below. Model labels must be c
 ``observe_request``, called once per request, only adds to an in-memory tally; the event loop
 writes the tally to the shared files about once a second (writing them per request cost
 14-18 us of CPU, measured). A process killed with ``kill -9`` loses at most that last second
-of request counts, never a usage row (those are journaled, see ``gateway.usage``).
+of request counts, never a usage row (those are journaled, see ``gateway.ledger.usage``).
 """
 
 from __future__ import annotations

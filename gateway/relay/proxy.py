@@ -1,6 +1,6 @@
 """The relay: one request from a client, through auth, limits and routing, to an engine and back.
 
-The upstream client is ``gateway.upstream_client``, one pool per process: keep-alive, one
+The upstream client is ``gateway.relay.upstream_client``, one pool per process: keep-alive, one
 write per request, ``TCP_NODELAY``, no redirects, no cookies (see there for why and what it
 measured against aiohttp, which had in turn measured at a fifth of httpx's CPU).
 
@@ -31,18 +31,21 @@ from django.conf import settings
 from django.db import DatabaseError
 from redis.exceptions import RedisError
 
-from gateway import counting, limits, payload, responses, routing
-from gateway.drain import drain
+from gateway import responses
 from gateway.errors import ApiError, error_response, model_not_found
-from gateway.keys import KeyInfo
+from gateway.identity import limits
+from gateway.identity.keys import KeyInfo
+from gateway.ledger.usage import Usage, recorder
 from gateway.models import UsageRecord
+from gateway.relay import counting, payload
+from gateway.relay.drain import drain
+from gateway.relay.routes import RelayRoute
+from gateway.relay.upstream_client import Dropped, Pool, Unreachable, UpstreamError
+from gateway.relay.upstream_client import Response as UpstreamResponse
 from gateway.responses import Response
-from gateway.routes import RelayRoute
-from gateway.upstream_client import Dropped, Pool, Unreachable, UpstreamError
-from gateway.upstream_client import Response as UpstreamResponse
-from gateway.upstreams import upstreams
-from gateway.usage import Usage, recorder
-from llmgw_site import metrics
+from gateway.routing.table import Route, Upstream
+from gateway.routing.upstreams import upstreams
+from telemetry import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class Deadlines:
     idle: float
 
     @classmethod
-    def of(cls, route: routing.Route) -> Deadlines:
+    def of(cls, route: Route) -> Deadlines:
         return cls(
             route.connect_timeout_s or float(settings.LLMGW_CONNECT_TIMEOUT),
             route.first_byte_timeout_s or float(settings.LLMGW_FIRST_BYTE_TIMEOUT),
@@ -100,21 +103,21 @@ class Exchange:
     usage: Usage
     clock_start: float
     body: payload.Inspected | None = None
-    route: routing.Route | None = None
+    route: Route | None = None
     reservation: limits.Reservation = limits.NO_RESERVATION
-    holding: routing.Upstream | None = None  # counted as outstanding until released
+    holding: Upstream | None = None  # counted as outstanding until released
     started: bool = False
     finished: bool = False
     being_counted: bool = False  # its tokens are being counted: the count task finishes it
     learn_context: bool = False  # ask the engine its context length once this request ends
-    served_by: routing.Upstream | None = None
+    served_by: Upstream | None = None
     tried: set[str] = field(default_factory=set)
 
     @property
     def request_id(self) -> str:
         return self.usage.request_id
 
-    def hold(self, upstream: routing.Upstream) -> None:
+    def hold(self, upstream: Upstream) -> None:
         self.drop_hold()
         upstreams.acquire(upstream)
         self.holding = upstream
@@ -181,7 +184,7 @@ class Exchange:
         self,
         status: int,
         reason: str,
-        upstream: routing.Upstream,
+        upstream: Upstream,
         relayed: Callable[[], tuple[list[str], int | None]],
     ) -> None:
         """Close a request its engine reported no usage for: counted in the background (the
@@ -200,7 +203,7 @@ class Exchange:
         self,
         status: int,
         reason: str,
-        upstream: routing.Upstream,
+        upstream: Upstream,
         relayed: Callable[[], tuple[list[str], int | None]],
     ) -> None:
         completions: list[str] = []
@@ -218,7 +221,7 @@ class Exchange:
         return counting.prompt_of(self.api_route.kind, self.body.data if self.body else {})
 
     async def count(
-        self, upstream: routing.Upstream, completions: list[str], relayed_events: int | None
+        self, upstream: Upstream, completions: list[str], relayed_events: int | None
     ) -> counting.Counted:
         assert self.route is not None
         tokenizer = counting.Tokenizer(pool(), upstream, self.route.name)
@@ -376,7 +379,7 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
 # --- activation -----------------------------------------------------------------------------
 
 
-async def _activation_slot(ex: Exchange, route: routing.Route) -> int:
+async def _activation_slot(ex: Exchange, route: Route) -> int:
     """A place in the model's queue of waiters, counted across every web process."""
     assert route.catalog_id is not None
     try:
@@ -397,7 +400,7 @@ async def _activation_slot(ex: Exchange, route: routing.Route) -> int:
     return route.catalog_id
 
 
-async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[routing.Route | None]:
+async def _activations(ex: Exchange, route: Route) -> AsyncIterator[Route | None]:
     """Yields None at each keep-alive interval while waiting, then the route once it has an
     upstream. Raises 503 with Retry-After when the model's activation timeout passes."""
     if route.catalog_id is None:
@@ -439,7 +442,7 @@ async def _activations(ex: Exchange, route: routing.Route) -> AsyncIterator[rout
         metrics.observe_activation_wait(route.name, time.monotonic() - began, outcome)
 
 
-async def _wait_for_activation(ex: Exchange, route: routing.Route) -> routing.Route:
+async def _wait_for_activation(ex: Exchange, route: Route) -> Route:
     async for ready in _activations(ex, route):
         if ready is not None:
             return ready
@@ -476,7 +479,7 @@ async def _held_stream(ex: Exchange) -> AsyncGenerator[bytes]:
 
 @dataclass
 class Opened:
-    upstream: routing.Upstream
+    upstream: Upstream
     response: UpstreamResponse
     first: bytes  # the first body bytes (streams) or the whole body (everything else)
     complete: bool
@@ -541,7 +544,7 @@ async def _open(ex: Exchange) -> Opened:
 
 
 async def _attempt(
-    ex: Exchange, upstream: routing.Upstream, deadlines: Deadlines
+    ex: Exchange, upstream: Upstream, deadlines: Deadlines
 ) -> Opened | tuple[ApiError, float | None]:
     """One try. A retryable failure comes back as (error, seconds to wait or None)."""
     assert ex.body is not None
@@ -644,7 +647,7 @@ async def _relay_body(ex: Exchange, opened: Opened) -> Response:
     return answer
 
 
-def _finish_body(ex: Exchange, upstream: routing.Upstream, status: int, body: bytes) -> None:
+def _finish_body(ex: Exchange, upstream: Upstream, status: int, body: bytes) -> None:
     tokens, reason = payload.usage_of_body(body) if status == 200 else (None, "")
     if status == 200 and tokens is None:
         ex.finish_uncounted(status, reason, upstream, lambda: (counting.body_texts(body), None))

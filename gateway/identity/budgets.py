@@ -1,13 +1,13 @@
 """Budget counters put right from the usage records.
 
-A budget is enforced by a counter (``gateway.limits``): in Redis when it is configured, in the
-store otherwise. Counters are fast, but one can be lost (a Redis restarted without persistence,
-a key evicted under memory pressure, a flushed database), and a lost counter starts its period
-again at zero: the holder could spend its whole budget a second time. So the leader
-periodically reads what each budget holder spent this period from the records (rollups plus
-the recent raw rows, as ``/account/`` and the admin show it) and lifts the holder's counter to
-at least that. It never lowers one: a counter also holds the reservations of requests still
-running, which no record shows yet.
+A budget is enforced by a counter (``gateway.identity.limits``): in Redis when it is configured, in
+the store otherwise. Counters are fast, but one can be lost (a Redis restarted without persistence,
+a key evicted under memory pressure, a flushed database), and a lost counter starts its period again
+at zero: the holder could spend its whole budget a second time. So the leader periodically reads
+what each budget holder spent this period from the records (rollups plus the recent raw rows, as
+``/account/`` and the admin show it) and lifts the holder's counter to at least that. It never
+lowers one: a counter also holds the reservations of requests still running, which no record shows
+yet.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from gateway import limits, people, rollups
+from gateway.identity import limits, people
+from gateway.ledger import rollups
 from gateway.models import ApiKey, TeamLimits, UserLimits
 
 
 def budget_holders() -> Iterator[tuple[str, int, str, rollups.Selector]]:
     """(scope, budget, period, whose usage) of every key, user and team with a budget; the
-    scope names are those of ``gateway.keys`` (a key by its prefix)."""
+    scope names are those of ``gateway.identity.keys`` (a key by its prefix)."""
     keys = ApiKey.objects.filter(token_budget__isnull=False, revoked_at__isnull=True)
     for key_id, prefix, budget, period in keys.values_list(
         "pk", "prefix", "token_budget", "budget_period"

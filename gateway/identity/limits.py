@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 
 from gateway import dbthread
 from gateway.errors import ApiError
-from gateway.keys import KeyInfo
+from gateway.identity.keys import KeyInfo
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,7 @@
+"""Identity: who is asking and what they may spend.
+
+API keys (``keys``: issued once, stored hashed, checked from an in-process cache), people and
+teams with their limits (``people``), the self-service ``/account/`` pages (``account``), the
+rate and token limits every request reserves against (``limits``) and budget counters put right
+from the ledger (``budgets``).
+"""
