@@ -1,0 +1,153 @@
+"""Which upstream takes a request: where its prompt's prefix is cached, bounded by load.
+
+A pure function over plain data (the candidates, this process's outstanding counts and
+ejections, what the mirrors predict is cached where, the request's keys), tested by table.
+
+The order of preference:
+
+1. **affinity** -- a client that names a session (``prompt_cache_key``, ``user``, an
+   ``x-session-id`` header) keeps its requests on one upstream: the first of the candidates
+   ranked by rendezvous hashing of the session's key;
+2. **cached** -- else the upstream predicted to hold the longest prefix of the prompt (among
+   equals the less loaded);
+3. **cold** -- else, for a prompt nobody is known to hold, the first of the candidates ranked
+   by rendezvous hashing of its first block: every web process ranks them alike without
+   talking to the others, so the requests that share a prefix gather on one upstream from the
+   first one on, whichever process takes each;
+4. **least loaded** -- a request without a prompt block (embeddings, rerank, a prompt shorter
+   than one block) goes where the fewest requests are outstanding.
+
+Load bounds all of it (consistent hashing with bounded loads): an upstream may take a request
+only while its outstanding requests are under ``ceil(factor × (total + 1) × its share of the
+weight)`` (at least ``slack``), so a hot prefix or a busy session overflows to the next upstream
+in its order -- the same next one in every process -- rather than queueing behind itself; such
+a request's outcome is **spilled**. Some upstream is always under the bound, since not all can
+be over the mean.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gateway.routing.table import Upstream, choose
+
+AFFINITY = "affinity"
+CACHED = "cached"
+COLD = "cold"
+SPILLED = "spilled"
+LEAST_LOADED = "least_loaded"
+OUTCOMES = (AFFINITY, CACHED, COLD, SPILLED, LEAST_LOADED)
+
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far affinity may load an upstream past the mean (settings ``LLMGW_ROUTING_*``)."""
+
+    factor: float = 1.25
+    slack: int = 2
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one request brings to the choice."""
+
+    lead: int | None = None  # its prompt's first block key (None: no full block)
+    affinity: int | None = None  # the key of the session it names, if any
+    matches: Mapping[str, int] = field(default_factory=dict)  # upstream id → blocks predicted
+
+
+@dataclass(frozen=True)
+class Choice:
+    upstream: Upstream
+    outcome: str
+    predicted: int  # blocks of the prompt the mirror expects the upstream to hold
+
+
+def session_key(value: str) -> int:
+    """A session's name as a rendezvous key, the same in every process."""
+    return zlib.crc32(value.encode("utf-8", "surrogatepass"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _id_hash(upstream_id: str) -> int:
+    return _mix(zlib.crc32(upstream_id.encode()))
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finalizer: every bit of the key moves every bit of the score."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def rendezvous(key: int, upstreams: Iterable[Upstream]) -> list[Upstream]:
+    """Upstreams in their rendezvous order for ``key`` (highest random weight first, each
+    upstream's chance to lead in proportion to its weight), the same in every process."""
+    pool = list(upstreams)
+    if all(u.weight == pool[0].weight for u in pool):  # replicas: the hash alone orders them
+        return sorted(pool, key=lambda u: _mix((key ^ _id_hash(u.id)) & _MASK), reverse=True)
+
+    def score(upstream: Upstream) -> float:
+        unit = (_mix((key ^ _id_hash(upstream.id)) & _MASK) + 1) / (_MASK + 2)
+        return -upstream.weight / math.log(unit)
+
+    return sorted(pool, key=score, reverse=True)
+
+
+def bound_of(upstream: Upstream, total: int, weight: int, bounds: Bounds) -> int:
+    """The outstanding requests ``upstream`` may have before it takes no more by affinity."""
+    share = math.ceil(bounds.factor * (total + 1) * upstream.weight / weight)
+    return max(bounds.slack, share)
+
+
+def choose_cached(
+    upstreams: Sequence[Upstream],
+    outstanding: Mapping[str, int],
+    ejected_until: Mapping[str, float],
+    now: float,
+    *,
+    placement: Placement,
+    bounds: Bounds,
+    exclude: Iterable[str] = (),
+    offset: int = 0,
+) -> Choice | None:
+    """The upstream for one request (module docstring), or None when there is no candidate.
+
+    Ejected upstreams are skipped while any other remains (then all are candidates: one that
+    may have recovered beats a certain error); ``exclude`` holds the ones already tried.
+    """
+    skip = set(exclude)
+    candidates = [u for u in upstreams if u.id not in skip] if skip else list(upstreams)
+    if not candidates:
+        return None
+    healthy = [u for u in candidates if ejected_until.get(u.id, 0.0) <= now]
+    pool = healthy or candidates
+    matches = placement.matches
+    if placement.affinity is not None:
+        order, outcome = rendezvous(placement.affinity, pool), AFFINITY
+    elif any(matches.get(u.id, 0) for u in pool):
+        # The longest prefix first, the less loaded among equals; the table's own order (by
+        # id, the same in every process) breaks what is left.
+        order = sorted(pool, key=lambda u: (-matches.get(u.id, 0), outstanding.get(u.id, 0)))
+        outcome = CACHED
+    elif placement.lead is not None:
+        order, outcome = rendezvous(placement.lead, pool), COLD
+    else:
+        least = choose(pool, outstanding, {}, now, offset=offset)
+        assert least is not None
+        return Choice(least, LEAST_LOADED, 0)
+    total = sum(outstanding.get(u.id, 0) for u in pool)
+    weight = sum(u.weight for u in pool)
+    for rank, upstream in enumerate(order):
+        if outstanding.get(upstream.id, 0) < bound_of(upstream, total, weight, bounds):
+            return Choice(upstream, outcome if rank == 0 else SPILLED, matches.get(upstream.id, 0))
+    # Only with weights that make every share round up past the mean: the least loaded.
+    least = choose(pool, outstanding, {}, now, offset=offset)
+    assert least is not None
+    return Choice(least, SPILLED, matches.get(least.id, 0))

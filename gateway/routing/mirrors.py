@@ -1,0 +1,168 @@
+"""What this web process expects each upstream's prefix cache to hold, and how it learns.
+
+A mirror is a bounded, least-recently-used set of block keys (``gateway.routing.prefix``) per
+upstream: a request routed to an upstream adds its prompt's blocks there, as the engine will
+once it has prefilled them. The engine's own answer is the truth: its usage reports how many of
+the prompt's tokens it found cached (``prompt_tokens_details.cached_tokens``), and a prediction
+it contradicts corrects the mirror. An engine evicts least recently used blocks it no longer
+runs, so a mirror that predicted more than the engine had was holding blocks the engine had
+already dropped: its capacity was too large (other processes fill the engine's cache too, so a
+mirror's honest capacity is this process's share of it) and it shrinks, dropping its oldest
+blocks. An engine that had more than the mirror predicted grows it again, never past the
+upstream's cache size (``ceiling``), so what a process remembers per upstream is bounded by
+what that upstream can hold. A replica that restarted (a new generation), drained or left is
+forgotten whole (``Mirrors.retain``).
+
+Blocks are added tail first, so the head of a prompt is the most recently used and a prefix
+loses its tail before its head, the order in which vLLM frees a finished request's blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+# A mirror never shrinks below this many blocks: one contradicted guess must not make a
+# process forget everything it knew about an upstream.
+FLOOR_BLOCKS = 32
+# A contradicted prediction keeps this share of the capacity (multiplicative decrease)...
+SHRINK = 0.75
+# ...and a prediction off by this many blocks or fewer is rounding, not a contradiction (the
+# engine's report is in tokens, the mirror's blocks are bytes).
+TOLERANCE_BLOCKS = 1
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What an engine's report taught: how many blocks it really had cached, against the
+    prediction, and what the mirror did about it."""
+
+    confirmed: int
+    predicted: int
+    outcome: str  # "agreed", "denied" (the mirror shrank) or "surprised" (it grew)
+
+
+class Mirror:
+    """One upstream's expected cache: block keys, the least recently used first."""
+
+    __slots__ = ("_keys", "capacity", "ceiling")
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling = max(FLOOR_BLOCKS, ceiling)
+        self.capacity = self.ceiling
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._keys
+
+    def depth(self, keys: Iterable[int]) -> int:
+        """How many leading ``keys`` this mirror holds."""
+        held = self._keys
+        depth = 0
+        for key in keys:
+            if key not in held:
+                break
+            depth += 1
+        return depth
+
+    def hold(self, keys: Iterable[int]) -> None:
+        """The upstream is about to hold these blocks: add them, tail first."""
+        held = self._keys
+        for key in reversed(tuple(keys)):
+            if key in held:
+                held.move_to_end(key)
+            else:
+                held[key] = None
+        self._trim()
+
+    def shrink(self) -> None:
+        self.capacity = max(FLOOR_BLOCKS, int(self.capacity * SHRINK))
+        self._trim()
+
+    def grow(self, blocks: int) -> None:
+        self.capacity = min(self.ceiling, self.capacity + blocks)
+
+    def resize(self, ceiling: int) -> None:
+        """The upstream's cache size changed (or became known)."""
+        self.ceiling = max(FLOOR_BLOCKS, ceiling)
+        self.capacity = min(self.capacity, self.ceiling)
+        self._trim()
+
+    def _trim(self) -> None:
+        held = self._keys
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+
+
+def matches(
+    mirrors: Mapping[str, Mirror], ids: Iterable[str], keys: tuple[int, ...]
+) -> dict[str, int]:
+    """For each upstream id with a mirror, how many leading blocks of ``keys`` it holds: each
+    walks the keys to its first missing one, so a prompt nobody holds costs one lookup each."""
+    found: dict[str, int] = {}
+    for uid in ids:
+        mirror = mirrors.get(uid)
+        if mirror is not None:
+            found[uid] = mirror.depth(keys)
+    return found
+
+
+class Mirrors:
+    """Every upstream's mirror in this process, kept to the upstreams that serve now."""
+
+    def __init__(self, default_ceiling: int) -> None:
+        self.default_ceiling = default_ceiling
+        self.by_upstream: dict[str, Mirror] = {}
+        self._generations: dict[str, int] = {}
+        self._ceilings: dict[str, int] = {}  # the cache sizes upstreams reported, in blocks
+
+    def matches(self, ids: Iterable[str], keys: tuple[int, ...]) -> dict[str, int]:
+        if not keys or not self.by_upstream:
+            return {}
+        return matches(self.by_upstream, ids, keys)
+
+    def hold(self, upstream_id: str, keys: tuple[int, ...]) -> None:
+        if not keys:
+            return
+        mirror = self.by_upstream.get(upstream_id)
+        if mirror is None:
+            ceiling = self._ceilings.get(upstream_id, self.default_ceiling)
+            mirror = self.by_upstream[upstream_id] = Mirror(ceiling)
+        mirror.hold(keys)
+
+    def learn(self, upstream_id: str, predicted: int, confirmed: int) -> Learned:
+        """Correct ``upstream_id``'s mirror by what its engine reported it had cached."""
+        mirror = self.by_upstream.get(upstream_id)
+        if mirror is None:
+            return Learned(confirmed, predicted, "agreed")
+        if confirmed < predicted - TOLERANCE_BLOCKS:
+            mirror.shrink()
+            return Learned(confirmed, predicted, "denied")
+        if confirmed > predicted + TOLERANCE_BLOCKS:
+            mirror.grow(confirmed - predicted)
+            return Learned(confirmed, predicted, "surprised")
+        return Learned(confirmed, predicted, "agreed")
+
+    def retain(self, live: Mapping[str, tuple[int, int | None]]) -> None:
+        """Keep the mirrors of the upstreams in ``live`` (id → (generation, cache size in
+        blocks or None)); forget the others, and any whose upstream restarted since."""
+        for uid in [u for u in self.by_upstream if u not in live]:
+            del self.by_upstream[uid]
+        self._generations = {u: g for u, g in self._generations.items() if u in live}
+        self._ceilings = {}
+        for uid, (generation, ceiling) in live.items():
+            if self._generations.get(uid, generation) != generation:
+                self.by_upstream.pop(uid, None)
+            self._generations[uid] = generation
+            if ceiling:
+                self._ceilings[uid] = ceiling
+            mirror = self.by_upstream.get(uid)
+            if mirror is not None:
+                mirror.resize(ceiling or self.default_ceiling)
+
+    def blocks_held(self) -> int:
+        return sum(len(m) for m in self.by_upstream.values())

@@ -1,0 +1,291 @@
+"""Routing by the cache, as pure functions: prompt blocks, mirrors, and the choice, by table."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from gateway.routing import prefix
+from gateway.routing.choice import (
+    AFFINITY,
+    CACHED,
+    COLD,
+    LEAST_LOADED,
+    SPILLED,
+    Bounds,
+    Placement,
+    choose_cached,
+    rendezvous,
+    session_key,
+)
+from gateway.routing.mirrors import FLOOR_BLOCKS, Mirror, Mirrors, matches
+from gateway.routing.table import Upstream
+
+A, B, C, D = (Upstream(f"replica:{i}", f"http://10.0.0.{i}:8000") for i in range(1, 5))
+FOUR = (A, B, C, D)
+BOUNDS = Bounds(factor=1.25, slack=2)
+SYSTEM = "You are a careful assistant who answers in one line. " * 60  # ~3.2 KB
+
+
+def chat(*messages: tuple[str, str], tools: object = None) -> dict[str, object]:
+    body: dict[str, object] = {"messages": [{"role": r, "content": c} for r, c in messages]}
+    if tools is not None:
+        body["tools"] = tools
+    return body
+
+
+def blocks(body: dict[str, object], kind: str = "chat") -> prefix.PromptBlocks:
+    return prefix.blocks_of(kind, body, block_bytes=512, max_blocks=256)
+
+
+# --------------------------------------------------------------------------- prompt blocks
+
+
+def test_prompts_that_share_a_prefix_share_exactly_its_full_blocks() -> None:
+    one = blocks(chat(("system", SYSTEM), ("user", "What is two and two? " * 40)))
+    two = blocks(chat(("system", SYSTEM), ("user", "Name a prime. " * 60)))
+    shared = len(SYSTEM) // 512  # every block wholly inside the system prompt
+    assert one.keys[:shared] == two.keys[:shared]
+    assert one.keys[shared:] and two.keys[shared:]
+    assert not set(one.keys[shared:]) & set(two.keys[shared:])
+    assert one.lead == two.lead
+
+
+def test_each_block_key_covers_everything_before_it() -> None:
+    # The same bytes at block 3 after a different block 0 are another key.
+    tail = "x" * 2048
+    one = blocks(chat(("user", "a" * 512 + tail)))
+    two = blocks(chat(("user", "b" * 512 + tail)))
+    assert not set(one.keys) & set(two.keys)
+
+
+def test_a_growing_chat_history_extends_the_previous_turns_blocks() -> None:
+    turn1 = chat(("system", SYSTEM), ("user", "Tell me a long story. " * 30))
+    turn2 = chat(
+        ("system", SYSTEM),
+        ("user", "Tell me a long story. " * 30),
+        ("assistant", "Once upon a time. " * 50),
+        ("user", "And then?"),
+    )
+    first, second = blocks(turn1), blocks(turn2)
+    assert second.keys[: len(first.keys)] == first.keys
+
+
+def test_tools_come_after_the_system_prompt_and_before_the_conversation() -> None:
+    tools = [{"type": "function", "function": {"name": "f" * 600, "parameters": {}}}]
+    with_tools = blocks(chat(("system", SYSTEM), ("user", "hi"), tools=tools))
+    without = blocks(chat(("system", SYSTEM), ("user", "hi")))
+    system_blocks = len(SYSTEM) // 512
+    assert with_tools.keys[:system_blocks] == without.keys[:system_blocks]
+    assert with_tools.size > without.size
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("embeddings", {"input": "x" * 5000}),
+        ("rerank", {"query": "q", "documents": ["x" * 5000]}),
+        ("chat", {"messages": "not a list"}),
+        ("chat", {"messages": [{"role": "user", "content": "short"}]}),
+        ("completions", {"prompt": None}),
+    ],
+)
+def test_requests_without_a_full_prompt_block_have_no_keys(
+    kind: str, body: dict[str, object]
+) -> None:
+    assert blocks(body, kind).lead is None
+
+
+def test_completion_prompts_and_responses_inputs_are_blocked_too() -> None:
+    text = "z" * 2000
+    assert len(blocks({"prompt": text}, "completions").keys) == 3
+    assert len(blocks({"prompt": list(range(400))}, "completions").keys) >= 1
+    responses = blocks({"instructions": SYSTEM, "input": "hello"}, "responses")
+    assert len(responses.keys) == len(SYSTEM) // 512
+
+
+def test_hostile_content_never_raises_and_huge_prompts_are_capped() -> None:
+    weird = chat(("user", "x" * 600))
+    weird["messages"].append({"role": 7, "content": [{"type": "image_url", "x": [1, {}]}]})  # type: ignore[attr-defined]
+    weird["messages"].append("a bare string")  # type: ignore[attr-defined]
+    assert blocks(weird).lead is not None
+    huge = prefix.blocks_of("chat", chat(("user", "y" * 1_000_000)), 512, max_blocks=64)
+    assert len(huge.keys) == 64
+    assert prefix.blocks_of("chat", {"messages": [{"content": 2**70}]}, 512, 64).lead is None
+
+
+@pytest.mark.parametrize(
+    ("cached", "prompt", "expected"),
+    [(0, 1000, 0), (500, 1000, 4), (1000, 1000, 8), (2000, 1000, 8), (5, 0, 0)],
+)
+def test_an_engines_cached_tokens_cover_the_same_share_of_blocks(
+    cached: int, prompt: int, expected: int
+) -> None:
+    written = prefix.chain(b"q" * 4096, 512, 256)
+    assert prefix.covering(written, cached, prompt) == expected
+
+
+# --------------------------------------------------------------------------- mirrors
+
+
+def test_a_mirror_forgets_least_recently_used_blocks_tail_first() -> None:
+    mirror = Mirror(ceiling=FLOOR_BLOCKS)
+    first = tuple(range(100, 100 + FLOOR_BLOCKS))
+    mirror.hold(first)
+    mirror.hold((1, 2))  # two new blocks push two of the first prompt's out: its tail
+    assert 100 in mirror and 101 in mirror
+    assert first[-1] not in mirror and first[-2] not in mirror
+    assert len(mirror) == FLOOR_BLOCKS
+
+
+def test_matches_walk_each_upstream_to_its_first_missing_block() -> None:
+    mirrors = {"a": Mirror(100), "b": Mirror(100), "c": Mirror(100)}
+    mirrors["a"].hold((1, 2, 3, 4))
+    mirrors["b"].hold((1, 2))
+    mirrors["c"].hold((9,))
+    assert matches(mirrors, ["a", "b", "c", "d"], (1, 2, 3)) == {"a": 3, "b": 2, "c": 0}
+
+
+def test_an_engine_that_denies_a_prediction_shrinks_the_mirror_and_one_that_had_more_grows_it() -> (
+    None
+):
+    mirrors = Mirrors(default_ceiling=1000)
+    mirrors.hold("a", tuple(range(800)))
+    assert mirrors.learn("a", predicted=10, confirmed=10).outcome == "agreed"
+    assert mirrors.learn("a", predicted=10, confirmed=9).outcome == "agreed"  # rounding
+    denied = mirrors.learn("a", predicted=10, confirmed=0)
+    assert denied.outcome == "denied"
+    assert len(mirrors.by_upstream["a"]) == 750  # three quarters of the capacity, oldest gone
+    assert mirrors.by_upstream["a"].capacity == 750
+    assert mirrors.learn("a", predicted=0, confirmed=100).outcome == "surprised"
+    assert mirrors.by_upstream["a"].capacity == 850
+    for _ in range(50):
+        mirrors.learn("a", predicted=0, confirmed=500)
+    assert mirrors.by_upstream["a"].capacity == 1000  # never past the upstream's cache size
+
+
+def test_a_restarted_drained_or_departed_upstream_is_forgotten() -> None:
+    mirrors = Mirrors(default_ceiling=1000)
+    for uid in ("a", "b", "c"):
+        mirrors.hold(uid, (1, 2, 3))
+    mirrors.retain({"a": (1, None), "b": (1, None), "c": (1, None)})
+    mirrors.retain({"a": (1, None), "b": (2, None)})  # b restarted, c left
+    assert set(mirrors.by_upstream) == {"a"}
+    mirrors.retain({"a": (1, 40)})  # a's cache is now known: 40 blocks
+    mirrors.hold("a", tuple(range(10, 100)))
+    assert len(mirrors.by_upstream["a"]) == 40
+
+
+# --------------------------------------------------------------------------- the choice
+
+
+def pick(
+    outstanding: dict[str, int] | None = None,
+    *,
+    lead: int | None = 7,
+    affinity: int | None = None,
+    matches: dict[str, int] | None = None,
+    ejected: dict[str, float] | None = None,
+    exclude: tuple[str, ...] = (),
+) -> tuple[str, str, int]:
+    choice = choose_cached(
+        FOUR,
+        outstanding or {},
+        ejected or {},
+        0.0,
+        placement=Placement(lead, affinity, matches or {}),
+        bounds=BOUNDS,
+        exclude=exclude,
+    )
+    assert choice is not None
+    return choice.upstream.id, choice.outcome, choice.predicted
+
+
+def first_for(key: int) -> str:
+    return rendezvous(key, FOUR)[0].id
+
+
+def test_the_replica_holding_the_longest_prefix_wins() -> None:
+    assert pick(matches={"replica:2": 3, "replica:3": 9}) == ("replica:3", CACHED, 9)
+
+
+def test_among_replicas_holding_as_much_the_less_loaded_wins() -> None:
+    outstanding = {"replica:2": 2, "replica:3": 1}
+    assert pick(outstanding, matches={"replica:2": 9, "replica:3": 9})[:2] == ("replica:3", CACHED)
+
+
+def test_a_replica_past_the_bound_spills_to_the_best_of_the_others() -> None:
+    # Ten in flight: the bound is ceil(1.25 * 11 / 4) = 4, and replica 3 has 4.
+    outstanding = {"replica:1": 3, "replica:2": 2, "replica:3": 4, "replica:4": 1}
+    got = pick(outstanding, matches={"replica:3": 9, "replica:1": 5})
+    assert got == ("replica:1", SPILLED, 5)
+
+
+def test_a_prefix_nobody_holds_goes_where_its_first_block_ranks_first_in_every_process() -> None:
+    for lead in range(50):
+        assert pick(lead=lead) == (first_for(lead), COLD, 0)
+
+
+def test_new_prefixes_spread_over_the_replicas_by_their_first_blocks() -> None:
+    counts = Counter(first_for(random.Random(i).getrandbits(32)) for i in range(4000))
+    assert set(counts) == {u.id for u in FOUR}
+    assert max(counts.values()) < 1.15 * min(counts.values())
+
+
+def test_a_cold_prefix_spills_in_its_own_rendezvous_order() -> None:
+    lead = 12345
+    order = [u.id for u in rendezvous(lead, FOUR)]
+    outstanding = {order[0]: 5, order[1]: 0, order[2]: 0, order[3]: 0}
+    assert pick(outstanding, lead=lead) == (order[1], SPILLED, 0)
+
+
+def test_a_session_sticks_to_one_replica_whatever_is_cached_elsewhere() -> None:
+    key = session_key("conversation-42")
+    home = first_for(key)
+    elsewhere = next(u.id for u in FOUR if u.id != home)
+    assert pick(affinity=key, matches={elsewhere: 20}) == (home, AFFINITY, 0)
+
+
+def test_a_session_leaves_its_replica_only_past_the_bound() -> None:
+    key = session_key("conversation-42")
+    order = [u.id for u in rendezvous(key, FOUR)]
+    assert pick({order[0]: 1}, affinity=key)[:2] == (order[0], AFFINITY)  # slack 2 allows it
+    assert pick({order[0]: 6, order[1]: 1}, affinity=key)[:2] == (order[1], SPILLED)
+
+
+def test_without_a_prompt_block_the_least_loaded_takes_it() -> None:
+    outstanding = {"replica:1": 2, "replica:2": 1, "replica:3": 0, "replica:4": 3}
+    assert pick(outstanding, lead=None) == ("replica:3", LEAST_LOADED, 0)
+
+
+def test_ejected_and_tried_replicas_are_passed_over() -> None:
+    assert pick(matches={"replica:1": 9}, ejected={"replica:1": 10.0})[0] != "replica:1"
+    assert pick(matches={"replica:1": 9}, exclude=("replica:1",))[0] != "replica:1"
+    all_ejected = {u.id: 10.0 for u in FOUR}
+    assert pick(matches={"replica:2": 9}, ejected=all_ejected)[:2] == ("replica:2", CACHED)
+    assert (
+        choose_cached(
+            FOUR, {}, {}, 0.0, placement=Placement(1), bounds=BOUNDS, exclude=[u.id for u in FOUR]
+        )
+        is None
+    )
+
+
+def test_one_hot_prefix_spreads_within_the_bound_of_the_mean() -> None:
+    # 200 requests of one prefix in flight at once: none of the four holds more than the bound.
+    outstanding: dict[str, int] = {}
+    held: dict[str, int] = {}
+    for _ in range(200):
+        uid, _, _ = pick(outstanding, matches=held)
+        outstanding[uid] = outstanding.get(uid, 0) + 1
+        held[uid] = 9
+    assert max(outstanding.values()) <= 1.25 * 200 / 4 + 1
+
+
+def test_weights_share_the_bound_and_the_rendezvous_order() -> None:
+    heavy = Upstream("endpoint:big", "http://big", weight=3)
+    light = Upstream("endpoint:small", "http://small", weight=1)
+    leads = Counter(rendezvous(i * 7919, (heavy, light))[0].id for i in range(4000))
+    assert 2.5 < leads["endpoint:big"] / leads["endpoint:small"] < 3.5
