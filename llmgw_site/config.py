@@ -57,6 +57,14 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
 
 
+def env_choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of a few words (``choices``), as written, else an error that lists them."""
+    value = env_str(env, name, default).strip()
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
 def env_list(env: Mapping[str, str], name: str, default: list[str]) -> list[str]:
     """A comma-separated list; blanks around items are dropped."""
     raw = env.get(name)

@@ -22,6 +22,7 @@ from llmgw_site.config import (
     DEFAULT_SHUTDOWN_GRACE,
     ConfigError,
     env_bool,
+    env_choice,
     env_float,
     env_int,
     env_list,
@@ -358,6 +359,21 @@ LLMGW_MAX_ITEMS: int = _read(env_int, "LLMGW_MAX_ITEMS", 10_000, minimum=1)
 LLMGW_KEY_CACHE_TTL: float = _read(env_float, "LLMGW_KEY_CACHE_TTL", 5.0)
 # The routing table is reloaded this often (faster while requests wait for a cold model).
 LLMGW_ROUTING_REFRESH: float = _read(env_float, "LLMGW_ROUTING_REFRESH", 1.0, minimum=0.05)
+# Routing by the cache (gateway.routing.choice): "cache_aware" sends a request where its prompt's
+# prefix is cached, bounded by load; "least_outstanding" by load alone.
+LLMGW_ROUTING_POLICY: str = _read(
+    env_choice, "LLMGW_ROUTING_POLICY", "cache_aware", ("cache_aware", "least_outstanding")
+)
+# A prompt is keyed in blocks of this many bytes (about 256 tokens of text), at most this many.
+LLMGW_ROUTING_BLOCK_BYTES: int = _read(env_int, "LLMGW_ROUTING_BLOCK_BYTES", 1024, minimum=64)
+LLMGW_ROUTING_MAX_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MAX_BLOCKS", 512, minimum=1)
+# An upstream takes a request by affinity (cached prefix, session, a new prefix's rendezvous)
+# while its outstanding requests are under factor x the mean (and at least the slack).
+LLMGW_ROUTING_LOAD_FACTOR: float = _read(env_float, "LLMGW_ROUTING_LOAD_FACTOR", 1.25, minimum=1.0)
+LLMGW_ROUTING_LOAD_SLACK: int = _read(env_int, "LLMGW_ROUTING_LOAD_SLACK", 2, minimum=1)
+# Blocks remembered per upstream whose cache size is not known (engines that report theirs are
+# remembered up to it): 8,192 blocks are 8 MiB of prompt text, about two million tokens.
+LLMGW_ROUTING_MIRROR_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MIRROR_BLOCKS", 8192, minimum=32)
 # An upstream that failed (connect error, 5xx before the first byte) gets no traffic this long.
 LLMGW_EJECT_SECONDS: float = _read(env_float, "LLMGW_EJECT_SECONDS", 10.0)
 # Further attempts before the first byte, on another upstream where there is one.

@@ -100,6 +100,25 @@ WAITING = Gauge(
     ["model"],
     multiprocess_mode="livesum",
 )
+ROUTING_DECISIONS = Counter(
+    "llmgw_routing_decisions",
+    "Upstreams chosen, by model and why: cached (its prefix is there), affinity (its session's),"
+    " cold (a new prefix's agreed place), spilled (the first choice was loaded past its bound),"
+    " least_loaded (no prompt to place).",
+    ["model", "outcome"],
+)
+PREFIX_CACHE_TOKENS = Counter(
+    "llmgw_prefix_cache_tokens",
+    "Prompt tokens the engines reported, and of them the ones they found in their prefix cache,"
+    " by model and upstream (kind: prompt, cached); cached / prompt is the hit ratio.",
+    ["model", "upstream", "kind"],
+)
+ROUTING_PREDICTIONS = Counter(
+    "llmgw_routing_predictions",
+    "What the engines' cached tokens said of the router's prediction, by model: agreed, denied"
+    " (it had less cached than predicted: the router's mirror shrank) or surprised (more).",
+    ["model", "outcome"],
+)
 COLD_START = Histogram(
     "llmgw_replica_cold_start_seconds",
     "Time from placing a replica to its first ready report.",
@@ -156,6 +175,11 @@ class _Tally:
 
 
 _tallies: dict[tuple[str, int], _Tally] = {}
+# Routing's counts since the last write: (model, outcome) → decisions, (model, outcome) →
+# predictions judged, (model, upstream) → [prompt tokens, cached tokens].
+_routes: dict[tuple[str, str], int] = {}
+_predictions: dict[tuple[str, str], int] = {}
+_cached: dict[tuple[str, str], list[int]] = {}
 # The loop that will write the tally (None: no write is due). A loop that closes before its
 # write came due (a test's) must not stop every later loop from scheduling one.
 _writer_loop: asyncio.AbstractEventLoop | None = None
@@ -176,7 +200,6 @@ def observe_request(
     On an event loop this only adds to the tally, which the loop writes within
     ``FLUSH_EVERY_S``; anywhere else (commands, tests) it is written at once.
     """
-    global _writer_loop
     tally = _tallies.get((model, status))
     if tally is None:
         tally = _tallies[(model, status)] = _Tally()
@@ -188,6 +211,35 @@ def observe_request(
     if ttft_s is not None:
         tally.ttft.add(max(0.0, ttft_s))
     tally.duration.add(max(0.0, duration_s))
+    _write_soon()
+
+
+def observe_route(model: str, outcome: str) -> None:
+    """One upstream chosen (``gateway.routing.choice``'s outcomes), tallied like requests."""
+    key = (model, outcome)
+    _routes[key] = _routes.get(key, 0) + 1
+    _write_soon()
+
+
+def observe_prefix_cache(
+    model: str, upstream: str, *, prompt_tokens: int, cached_tokens: int, prediction: str
+) -> None:
+    """What an engine reported of its prefix cache for one request, and what that said of the
+    router's prediction (``agreed``, ``denied``, ``surprised``)."""
+    counts = _cached.get((model, upstream))
+    if counts is None:
+        counts = _cached[(model, upstream)] = [0, 0]
+    counts[0] += max(0, prompt_tokens)
+    counts[1] += max(0, cached_tokens)
+    key = (model, prediction)
+    _predictions[key] = _predictions.get(key, 0) + 1
+    _write_soon()
+
+
+def _write_soon() -> None:
+    """Schedule the write of the tallies within ``FLUSH_EVERY_S`` on this event loop (or write
+    them now where there is none: commands, tests)."""
+    global _writer_loop
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -201,8 +253,18 @@ def observe_request(
 def write_tallies() -> None:
     """Write the request tally to the shared files. Only the thread that observes calls this
     (the event loop, or a caller without one), so no update can slip between read and reset."""
-    global _tallies, _writer_loop
+    global _tallies, _routes, _predictions, _cached, _writer_loop
     tallies, _tallies, _writer_loop = _tallies, {}, None
+    routes, predictions, cached = _routes, _predictions, _cached
+    _routes, _predictions, _cached = {}, {}, {}
+    for (model, outcome), count in routes.items():
+        ROUTING_DECISIONS.labels(_model(model), outcome).inc(count)
+    for (model, outcome), count in predictions.items():
+        ROUTING_PREDICTIONS.labels(_model(model), outcome).inc(count)
+    for (model, upstream), (prompt, hits) in cached.items():
+        PREFIX_CACHE_TOKENS.labels(_model(model), upstream[:_MAX_LABEL], "prompt").inc(prompt)
+        if hits:
+            PREFIX_CACHE_TOKENS.labels(_model(model), upstream[:_MAX_LABEL], "cached").inc(hits)
     for (model, status), tally in tallies.items():
         labels = (_model(model), str(status))
         REQUESTS.labels(*labels).inc(tally.requests)
