@@ -1,9 +1,8 @@
 """Usage reports: filtering usage rows, summing them by model/user/team/key/day, and CSV.
 
 Used by the admin's CSV export, the account page, ``manage.py usage_report`` and the admin
-API's ``/usage``. Sums are
-computed by the database, so a report over millions of rows loads no rows into Python; the
-row-by-row CSV streams with ``iterator()`` for the same reason.
+API's ``/usage``. Sums are computed by the database, so a report over millions of rows loads no
+rows into Python; the row-by-row CSV streams with ``iterator()`` for the same reason.
 """
 
 from __future__ import annotations
