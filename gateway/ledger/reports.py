@@ -1,8 +1,8 @@
-"""Usage reports: filtering usage rows, summing them by model/user/key/day, and CSV.
+"""Usage reports: filtering usage rows, summing them by model/user/team/key/day, and CSV.
 
-Used by the admin's CSV export, the account page and ``manage.py usage_report``. Sums are
-computed by the database, so a report over millions of rows loads no rows into Python; the
-row-by-row CSV streams with ``iterator()`` for the same reason.
+Used by the admin's CSV export, the account page, ``manage.py usage_report`` and the admin
+API's ``/usage``. Sums are computed by the database, so a report over millions of rows loads no
+rows into Python; the row-by-row CSV streams with ``iterator()`` for the same reason.
 """
 
 from __future__ import annotations
@@ -23,13 +23,20 @@ from gateway.models import ApiKey, UsageRecord
 
 GroupBy = Literal["model", "user", "key", "day"]
 GROUPS: tuple[GroupBy, ...] = ("model", "user", "key", "day")
+# Raw rows also sum by team (the admin API's ``by=team``). Rollups keep users, not teams, so the
+# reports read from them (and ``usage_report``) offer the groups above.
+RawGroupBy = Literal["model", "user", "team", "key", "day"]
 
-_GROUP_EXPRESSIONS: dict[GroupBy, Any] = {
+_GROUP_EXPRESSIONS: dict[RawGroupBy, Any] = {
     "model": F("model"),
     "user": F("user__username"),
+    # A user's teams now, not when the request was made; a user in two teams counts in both.
+    "team": F("user__groups__name"),
     "key": F("api_key__prefix"),
     "day": TruncDate("started_at"),
 }
+# The name of the group of rows without one: "(none)" (no user, no key), but "(no team)".
+_NO_GROUP: dict[RawGroupBy, str] = {"team": "(no team)"}
 
 # CSV column -> the lookup that fills it, in column order: the one list of what an export holds.
 ROW_COLUMNS = {
@@ -105,7 +112,7 @@ class SummaryRow:
         return {name: getattr(self, name) for name in SUMMARY_FIELDS}
 
 
-def summarize(rows: QuerySet[UsageRecord], by: GroupBy) -> list[SummaryRow]:
+def summarize(rows: QuerySet[UsageRecord], by: RawGroupBy) -> list[SummaryRow]:
     """Requests, errors and tokens per group, largest token use first (days: oldest first)."""
     grouped = (
         rows.annotate(group=_GROUP_EXPRESSIONS[by])
@@ -120,7 +127,7 @@ def summarize(rows: QuerySet[UsageRecord], by: GroupBy) -> list[SummaryRow]:
     )
     out = [
         SummaryRow(
-            group="(none)" if row["group"] is None else str(row["group"]),
+            group=_NO_GROUP.get(by, "(none)") if row["group"] is None else str(row["group"]),
             requests=row["requests"],
             errors=row["errors"],
             prompt_tokens=row["prompt"],

@@ -96,3 +96,10 @@ class AdminAuth:
 
     def __call__(self, request: HttpRequest) -> Caller:
         return caller(request)
+
+
+def actor_of(request: HttpRequest) -> str:
+    """Who made a change, for its Event: the caller :class:`AdminAuth` let in."""
+    who = request.auth  # type: ignore[attr-defined]
+    assert isinstance(who, Caller)
+    return who.actor
