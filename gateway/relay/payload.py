@@ -203,6 +203,10 @@ class Tokens:
     cached: int = 0
     # The counts the upstream reported outside 0..MAX_COUNT, as reported (for the Event).
     clamped: tuple[tuple[str, str], ...] = ()
+    # Whether the engine said how many prompt tokens it found cached (vLLM only does with
+    # --enable-prompt-tokens-details, SGLang with --enable-cache-report): routing learns from
+    # a report, never from its absence.
+    cached_reported: bool = False
 
 
 def _reported(value: Any) -> int | None:
@@ -252,7 +256,7 @@ def tokens_of(usage: Any) -> Tokens | None:
     if prompt == 0 and completion == 0:
         # Embeddings and rerank may report only a total.
         prompt = number("total_tokens")
-    return Tokens(prompt, completion, cached or 0, tuple(clamped))
+    return Tokens(prompt, completion, cached or 0, tuple(clamped), cached is not None)
 
 
 def usage_of_body(body: bytes) -> tuple[Tokens | None, str]:

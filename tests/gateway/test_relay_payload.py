@@ -135,7 +135,14 @@ def test_usage_and_finish_of_a_chat_completion() -> None:
             },
         }
     ).encode()
-    assert payload.usage_of_body(body) == (payload.Tokens(3, 4, 2), "length")
+    assert payload.usage_of_body(body) == (
+        payload.Tokens(3, 4, 2, cached_reported=True),
+        "length",
+    )
+    # An engine that says nothing of its cache is not taken to have found nothing in it.
+    silent = json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
+    tokens, _ = payload.usage_of_body(silent)
+    assert tokens is not None and not tokens.cached_reported
 
 
 def event(data: object) -> bytes:
