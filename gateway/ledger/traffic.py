@@ -73,6 +73,8 @@ def _minute_rows(start: datetime, end: datetime) -> list[dict[str, Any]]:
         .annotate(
             requests=Count("id"),
             tokens=Sum(F("prompt_tokens") + F("completion_tokens")),
+            prompt=Sum("prompt_tokens"),
+            cached=Sum("cached_tokens"),
             errors=Count(
                 "id", filter=Q(status__gte=400) | Q(finish_reason__in=ERROR_FINISH_REASONS)
             ),
@@ -120,7 +122,9 @@ def forget_settled() -> None:
 
 
 def traffic(now: datetime, minutes: int = WINDOW_MINUTES) -> dict[str, Any]:
-    """Per model and minute over the window: requests/s, tokens/s, errors, TTFT p50/p95."""
+    """Per model and minute over the window: requests/s, tokens/s, errors, TTFT p50/p95, and
+    the share of prompt tokens the engines found in their prefix cache (per minute, and over
+    the window as ``prefix_hit_ratio``)."""
     end = now.replace(second=0, microsecond=0) + timedelta(minutes=1)
     start = end - timedelta(minutes=minutes)
     buckets = [start + timedelta(minutes=i) for i in range(minutes)]
@@ -133,7 +137,8 @@ def traffic(now: datetime, minutes: int = WINDOW_MINUTES) -> dict[str, Any]:
     settled_until = max(start, (now - USAGE_SETTLE).replace(second=0, microsecond=0))
     rows = _settled_rows(start, settled_until) + _minute_rows(settled_until, end)
 
-    series: dict[str, dict[str, list[float | None]]] = {}
+    series: dict[str, dict[str, Any]] = {}
+    prompts: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens] in the window
     for row in rows:
         i = index.get(row["minute"])
         if i is None:
@@ -146,15 +151,26 @@ def traffic(now: datetime, minutes: int = WINDOW_MINUTES) -> dict[str, Any]:
                 "errors": [0.0] * minutes,
                 "ttft_p50_ms": [None] * minutes,
                 "ttft_p95_ms": [None] * minutes,
+                "prefix_hit_ratio_per_minute": [None] * minutes,
+                "prefix_hit_ratio": None,
             },
         )
         model["requests_per_s"][i] = round(row["requests"] / spans[i], 3)
         model["tokens_per_s"][i] = round((row["tokens"] or 0) / spans[i], 1)
         model["errors"][i] = float(row["errors"])
+        # Minutes kept in the cache by an older process may lack the two sums.
+        prompt, cached = row.get("prompt") or 0, row.get("cached") or 0
+        if prompt:
+            model["prefix_hit_ratio_per_minute"][i] = round(cached / prompt, 3)
+            total = prompts.setdefault(row["model"], [0, 0])
+            total[0] += prompt
+            total[1] += cached
         cumulative = [row[f"le{j}"] for j in range(len(TTFT_BOUNDS_MS))]
         for name, q in (("ttft_p50_ms", 0.5), ("ttft_p95_ms", 0.95)):
             value = quantile(q, TTFT_BOUNDS_MS, cumulative, row["timed"])
             model[name][i] = None if value is None else round(value, 1)
+    for name, (prompt, cached) in prompts.items():
+        series[name]["prefix_hit_ratio"] = round(cached / prompt, 3)
     return {
         "start": start.isoformat(),
         "bucket_s": 60,

@@ -139,6 +139,12 @@
     return parts;
   }
 
+  function hitRatio(name) {
+    const model = last && last.traffic && last.traffic.models[name];
+    const ratio = model ? model.prefix_hit_ratio : null;
+    return ratio === null || ratio === undefined ? "–" : `${Math.round(ratio * 100)}%`;
+  }
+
   function renderModels(models) {
     const box = $("lg-models");
     if (!models.length) {
@@ -153,6 +159,7 @@
         node("td", { class: "lg-num" }, `${m.ready} / ${m.desired}`),
         node("td", { class: "lg-num lg-quiet lg-hide-narrow" }, `${m.min_replicas}–${m.max_replicas}`),
         node("td", {}, modelStatus(m)),
+        node("td", { class: "lg-num lg-hide-narrow", title: "prompt tokens the engines found in their prefix cache, last hour" }, hitRatio(m.name)),
         node("td", { class: "lg-quiet lg-hide-narrow" }, age(m.last_request_age_s)),
       ),
     );
@@ -170,6 +177,7 @@
             node("th", { class: "lg-num" }, "ready"),
             node("th", { class: "lg-num lg-hide-narrow" }, "min–max"),
             node("th", {}, "status"),
+            node("th", { class: "lg-num lg-hide-narrow" }, "cache hits"),
             node("th", { class: "lg-hide-narrow" }, "last request"),
           ),
         ),
@@ -186,6 +194,7 @@
       ["lg-chart-tps", "tokens_per_s", "Tokens per second"],
       ["lg-chart-ttft", null, "Time to first token (ms)"],
       ["lg-chart-errors", "errors", "Errors per minute"],
+      ["lg-chart-hits", "prefix_hit_ratio_per_minute", "Prefix cache hit ratio"],
     ];
     for (const [id, key, title] of specs) {
       let series;

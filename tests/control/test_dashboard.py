@@ -156,6 +156,26 @@ def test_traffic_per_minute_has_rates_errors_and_ttft_percentiles() -> None:
 
 
 @pytest.mark.django_db
+def test_traffic_shows_the_share_of_prompt_tokens_the_engines_had_cached() -> None:
+    make_user("alice")
+    _, key = make_key("alice")
+    now = timezone.now().replace(second=30, microsecond=0)
+    for minutes_ago, cached in ((1, 900), (1, 300), (2, 0)):
+        make_usage(model="llama3", api_key=key, started_at=now - timedelta(minutes=minutes_ago),
+                   prompt_tokens=1000, cached_tokens=cached)  # fmt: skip
+    make_usage(model="qwen", api_key=key, started_at=now - timedelta(minutes=1), prompt_tokens=0)
+
+    traffic = gateway_traffic.traffic(now)
+    llama3 = traffic["models"]["llama3"]
+    i = len(traffic["minutes"]) - 2
+    assert llama3["prefix_hit_ratio_per_minute"][i] == 0.6
+    assert llama3["prefix_hit_ratio_per_minute"][i - 1] == 0.0
+    assert llama3["prefix_hit_ratio_per_minute"][i - 2] is None
+    assert llama3["prefix_hit_ratio"] == 0.4  # 1,200 of 3,000 prompt tokens over the hour
+    assert traffic["models"]["qwen"]["prefix_hit_ratio"] is None  # no prompt tokens at all
+
+
+@pytest.mark.django_db
 def test_snapshot_costs_a_fixed_number_of_queries(django_assert_max_num_queries: Any) -> None:
     make_user("alice")
     _, key = make_key("alice")
