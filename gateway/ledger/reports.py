@@ -63,6 +63,7 @@ SUMMARY_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
     "total_tokens",
+    "cached_tokens",
 )
 
 
@@ -103,6 +104,7 @@ class SummaryRow:
     errors: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those the engines had in their prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -122,6 +124,7 @@ def summarize(rows: QuerySet[UsageRecord], by: RawGroupBy) -> list[SummaryRow]:
             errors=Count("id", filter=Q(status__gte=400)),
             prompt=Coalesce(Sum("prompt_tokens"), 0),
             completion=Coalesce(Sum("completion_tokens"), 0),
+            cached=Coalesce(Sum("cached_tokens"), 0),
         )
         .order_by()
     )
@@ -132,6 +135,7 @@ def summarize(rows: QuerySet[UsageRecord], by: RawGroupBy) -> list[SummaryRow]:
             errors=row["errors"],
             prompt_tokens=row["prompt"],
             completion_tokens=row["completion"],
+            cached_tokens=row["cached"],
         )
         for row in grouped
     ]
@@ -158,7 +162,12 @@ def daily(rows: QuerySet[UsageRecord], days: int, now: datetime | None = None) -
 
 def _row(group: str, totals: rollups.Totals) -> SummaryRow:
     return SummaryRow(
-        group, totals.requests, totals.errors, totals.prompt_tokens, totals.completion_tokens
+        group,
+        totals.requests,
+        totals.errors,
+        totals.prompt_tokens,
+        totals.completion_tokens,
+        totals.cached_tokens,
     )
 
 

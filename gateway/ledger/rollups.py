@@ -197,6 +197,7 @@ class Totals:
     errors: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those the engine found in its prefix cache
 
     @property
     def tokens(self) -> int:
@@ -208,6 +209,7 @@ class Totals:
             self.errors + other.errors,
             self.prompt_tokens + other.prompt_tokens,
             self.completion_tokens + other.completion_tokens,
+            self.cached_tokens + other.cached_tokens,
         )
 
 
@@ -257,16 +259,20 @@ def totals(
             e=Coalesce(Sum("requests", filter=Q(status__gte=400)), 0),
             p=Coalesce(Sum("prompt_tokens"), 0),
             c=Coalesce(Sum("completion_tokens"), 0),
+            k=Coalesce(Sum("cached_tokens"), 0),
         )
-        out += Totals(got["n"], got["e"], got["p"], got["c"])
+        out += Totals(got["n"], got["e"], got["p"], got["c"], got["k"])
     raw = selector.raw(UsageRecord.objects.filter(plan.raw))
     got = raw.aggregate(
         requests=Count("id"),
         errors=Count("id", filter=Q(status__gte=400)),
         prompt=Coalesce(Sum("prompt_tokens"), 0),
         completion=Coalesce(Sum("completion_tokens"), 0),
+        cached=Coalesce(Sum("cached_tokens"), 0),
     )
-    return out + Totals(got["requests"], got["errors"], got["prompt"], got["completion"])
+    return out + Totals(
+        got["requests"], got["errors"], got["prompt"], got["completion"], got["cached"]
+    )
 
 
 _RAW_GROUP = {"model": "model", "user": "user_id", "key": "api_key_id", "day": "day"}
@@ -292,11 +298,13 @@ def summary(
                 e=Coalesce(Sum("requests", filter=Q(status__gte=400)), 0),
                 p=Sum("prompt_tokens"),
                 c=Sum("completion_tokens"),
+                k=Sum("cached_tokens"),
             )
             .order_by()
         ):
             group = _normal(row[_ROLLED_GROUP[by]], by)
-            out[group] = out.get(group, Totals()) + Totals(row["r"], row["e"], row["p"], row["c"])
+            counted = Totals(row["r"], row["e"], row["p"], row["c"], row["k"])
+            out[group] = out.get(group, Totals()) + counted
     raw = selector.raw(UsageRecord.objects.filter(plan.raw))
     if by == "day":
         raw = raw.annotate(day=TruncDate("started_at"))
@@ -307,11 +315,13 @@ def summary(
             e=Count("id", filter=Q(status__gte=400)),
             p=Coalesce(Sum("prompt_tokens"), 0),
             c=Coalesce(Sum("completion_tokens"), 0),
+            k=Coalesce(Sum("cached_tokens"), 0),
         )
         .order_by()
     ):
         group = _normal(row[_RAW_GROUP[by]], by)
-        out[group] = out.get(group, Totals()) + Totals(row["r"], row["e"], row["p"], row["c"])
+        counted = Totals(row["r"], row["e"], row["p"], row["c"], row["k"])
+        out[group] = out.get(group, Totals()) + counted
     return out
 
 

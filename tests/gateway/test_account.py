@@ -115,7 +115,7 @@ def test_the_account_page_shows_only_the_users_own_keys_and_usage() -> None:
     make_user("bob")
     _, alices = make_key("alice", name="alice-laptop")
     _, bobs = make_key("bob", name="bob-secret-project")
-    make_usage(model="alice-model", api_key=alices, prompt_tokens=111)
+    make_usage(model="alice-model", api_key=alices, prompt_tokens=111, cached_tokens=96)
     make_usage(model="bob-model", api_key=bobs, prompt_tokens=999)
     client = Client()
     client.force_login(alices.user)
@@ -123,6 +123,8 @@ def test_the_account_page_shows_only_the_users_own_keys_and_usage() -> None:
     assert alices.prefix in page and "alice-laptop" in page and "alice-model" in page
     assert bobs.prefix not in page
     assert "bob-secret-project" not in page and "bob-model" not in page
+    # The prompt tokens her engines found cached, in the per-model table and the latest rows.
+    assert page.count('<td class="lg-num">96</td>') == 2
 
     chart = re.search(r'<script id="lg-usage-data" type="application/json">(.*?)</script>', page)
     assert chart is not None

@@ -27,7 +27,8 @@ def history() -> tuple[Any, Any]:
     _, second = make_key("bob")
     for hours_ago in range(0, 72, 5):
         at = NOW - timedelta(hours=hours_ago, minutes=7)
-        make_usage(model="a", api_key=first, started_at=at, prompt_tokens=10, completion_tokens=5)
+        make_usage(model="a", api_key=first, started_at=at, prompt_tokens=10, completion_tokens=5,
+                   cached_tokens=4)  # fmt: skip
         make_usage(model="b", api_key=second, started_at=at, status=503, completion_tokens=0)
     return first, second
 
@@ -39,6 +40,7 @@ def raw_totals(**filters: Any) -> rollups.Totals:
         rows.filter(status__gte=400).count(),
         sum(r.prompt_tokens for r in rows),
         sum(r.completion_tokens for r in rows),
+        sum(r.cached_tokens for r in rows),
     )
 
 

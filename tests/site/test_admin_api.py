@@ -658,12 +658,15 @@ def test_usage_by_key_user_team_model_and_period(api: Api) -> None:
     _, alice_key = make_key("alice")
     _, bob_key = make_key("bob")
     Group.objects.create(name="research").user_set.add(User.objects.get(username="alice"))
-    make_usage(model="llama3", api_key=alice_key, prompt_tokens=10, completion_tokens=5)
+    make_usage(
+        model="llama3", api_key=alice_key, prompt_tokens=10, completion_tokens=5, cached_tokens=8
+    )
     make_usage(model="llama3", api_key=alice_key, prompt_tokens=1, completion_tokens=1)
     make_usage(model="qwen", api_key=bob_key, prompt_tokens=100, completion_tokens=0, status=500)
 
     by_model = {r["group"]: r for r in api.get("/usage", by="model")["items"]}
     assert by_model["llama3"]["total_tokens"] == 17 and by_model["llama3"]["requests"] == 2
+    assert by_model["llama3"]["cached_tokens"] == 8
     assert by_model["qwen"]["errors"] == 1
     assert [r["group"] for r in api.get("/usage", by="user")["items"]] == ["bob", "alice"]
     teams = {r["group"]: r["requests"] for r in api.get("/usage", by="team")["items"]}

@@ -181,7 +181,9 @@ def test_usage_report_sums_by_model_user_key_and_day() -> None:
     make_user("bob")
     _, alice = make_key("alice")
     _, bob = make_key("bob")
-    make_usage(model="llama3", api_key=alice, prompt_tokens=100, completion_tokens=10)
+    make_usage(
+        model="llama3", api_key=alice, prompt_tokens=100, completion_tokens=10, cached_tokens=64
+    )
     make_usage(model="llama3", api_key=bob, prompt_tokens=1, completion_tokens=2, status=500)
     make_usage(model="qwen", api_key=bob, prompt_tokens=5, completion_tokens=5)
     make_usage(model="old", api_key=bob, started_at=timezone.now() - timedelta(days=40))
@@ -189,18 +191,18 @@ def test_usage_report_sums_by_model_user_key_and_day() -> None:
     by_model = json.loads(run("usage_report", "--format", "json"))
     assert by_model == [
         {"group": "llama3", "requests": 2, "errors": 1, "prompt_tokens": 101,
-         "completion_tokens": 12, "total_tokens": 113},
+         "completion_tokens": 12, "total_tokens": 113, "cached_tokens": 64},
         {"group": "qwen", "requests": 1, "errors": 0, "prompt_tokens": 5,
-         "completion_tokens": 5, "total_tokens": 10},
+         "completion_tokens": 5, "total_tokens": 10, "cached_tokens": 0},
     ]  # fmt: skip
     by_user = json.loads(run("usage_report", "--by", "user", "--format", "json"))
     assert [(r["group"], r["total_tokens"]) for r in by_user] == [("alice", 110), ("bob", 13)]
     by_key = run("usage_report", "--by", "key", "--user", "bob", "--format", "csv")
     assert (
         by_key.splitlines()[0]
-        == "group,requests,errors,prompt_tokens,completion_tokens,total_tokens"
+        == "group,requests,errors,prompt_tokens,completion_tokens,total_tokens,cached_tokens"
     )
-    assert by_key.splitlines()[1:] == [f"{bob.prefix},2,1,6,7,13"]
+    assert by_key.splitlines()[1:] == [f"{bob.prefix},2,1,6,7,13,0"]
     days = json.loads(run("usage_report", "--since", "60d", "--by", "day", "--format", "json"))
     assert [d["requests"] for d in days] == [1, 3]
     table = run("usage_report", "--model", "qwen")

@@ -33,6 +33,7 @@ class UsageRow(Schema):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = Field(description="Of the prompt tokens, those the engines found cached.")
 
 
 @router.get("/usage", response=list[UsageRow])
