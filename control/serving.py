@@ -314,7 +314,7 @@ def this_process_leads() -> bool:
     deadline): the gate for the gateway's periodic jobs (usage rollups), which run in the
     worker beside the ticks and must run on one control plane only."""
     # Imported here: web processes import this module but never run the reconciler.
-    from control.reconciler import process_reconciler  # noqa: PLC0415
+    from control.reconciler.runner import process_reconciler  # noqa: PLC0415
 
     lead = process_reconciler().leadership
     return lead is not None and lead.may_act()
