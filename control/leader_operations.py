@@ -7,9 +7,10 @@ The operators' changes are in :mod:`control.operations`; these differ in who may
 One function per state change, each one transaction fenced by the lease
 (:func:`control.leases.fenced` re-checks owner and epoch, so a deposed leader's late write
 changes nothing and raises :class:`control.leases.LeadershipLost`), a conditional update whose
-row count says whether the world still looked as the tick's decision assumed, an Event carrying
-the leader's epoch, and the nodes whose desired state changed nudged on commit
-(:func:`control.nudges.nudge_node`). :mod:`control.reconciler.tick` decides which to call.
+row count says whether the world still looked as the tick's decision assumed, an Event with the
+leader's epoch for each change an operator would look for, and the nodes whose desired state
+changed nudged on commit (:func:`control.nudges.nudge_node`). :mod:`control.reconciler.tick`
+decides which to call.
 """
 
 from __future__ import annotations
