@@ -34,7 +34,8 @@ from django.db import DatabaseError
 from agents import grpc_wire
 from agents.protocol import MAX_MESSAGE_BYTES, CloseCode, ErrorMessage, ProtocolError, encode
 from control import node_certs, node_tokens, nudges
-from control.agent_sessions import AgentSession, in_credentials_thread
+from control.agent_plumbing import in_credentials_thread
+from control.agent_sessions import AgentSession
 
 logger = logging.getLogger(__name__)
 

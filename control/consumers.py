@@ -24,7 +24,8 @@ from django.db import DatabaseError
 
 from agents.protocol import NODE_HEADER, CloseCode, ErrorMessage, encode
 from control import node_tokens, nudges
-from control.agent_sessions import AgentSession, in_credentials_thread
+from control.agent_plumbing import in_credentials_thread
+from control.agent_sessions import AgentSession
 
 logger = logging.getLogger(__name__)
 

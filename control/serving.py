@@ -8,8 +8,10 @@ finished a request: idle time and least-recently-used order count from it) and
 :func:`report_in_flight` (what this process has in flight per replica: such a replica is not
 scaled down, evicted or drained from under it). Activation waiters are counted across
 processes through :func:`take_waiting_slot` / :func:`leave_waiting_slot`. It hears of
-changes to routing rows through :func:`on_routing_change`. Nothing here hands out a model
-instance, so the control plane may change its tables behind these functions.
+changes to routing rows through :func:`on_routing_change`; a tick is asked for early
+(:func:`request_tick`) through the sender the site registers with :func:`send_ticks_with`.
+Nothing here hands out a model instance, so the control plane may change its tables behind
+these functions.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db.models import Q
@@ -279,15 +281,31 @@ def leave_waiting_slot(model_id: int) -> None:
     gateway_counts.leave_waiting_slot(process_id(), model_id)
 
 
+class TaskSender(Protocol):
+    """Sends a Celery task by name (the Celery app's ``send_task``, with the options used)."""
+
+    def __call__(self, name: str, *, expires: float, retry: bool) -> object: ...
+
+
+_send_task: TaskSender | None = None
+
+
+def send_ticks_with(send: TaskSender) -> None:
+    """How :func:`request_tick` sends the reconcile task: through the site's Celery app,
+    registered by the site when Django starts (the control plane sits below the site and
+    never imports it). Registering again replaces the sender."""
+    global _send_task
+    _send_task = send
+
+
 def request_tick() -> None:
     """Ask for a tick now instead of at the next beat (a cold model has a request waiting).
     Best effort and never blocking: the beat's next tick does the same work anyway."""
+    if _send_task is None:
+        logger.warning("could not ask for an early reconcile tick: no task sender registered")
+        return
     try:
-        # Imported here: most web processes never ask (only a request for a model with no
-        # ready replica does), and Celery is a fifth of a web process's start.
-        from llmgw_site.celery import app  # noqa: PLC0415
-
-        app.send_task(RECONCILE_TASK, expires=settings.LLMGW_RECONCILE_INTERVAL, retry=False)
+        _send_task(RECONCILE_TASK, expires=settings.LLMGW_RECONCILE_INTERVAL, retry=False)
     except Exception as exc:  # a broker that is down must not fail the request path
         logger.warning("could not ask for an early reconcile tick: %s", type(exc).__name__)
 
@@ -314,7 +332,7 @@ def this_process_leads() -> bool:
     deadline): the gate for the gateway's periodic jobs (usage rollups), which run in the
     worker beside the ticks and must run on one control plane only."""
     # Imported here: web processes import this module but never run the reconciler.
-    from control.reconciler import process_reconciler  # noqa: PLC0415
+    from control.reconciler.runner import process_reconciler  # noqa: PLC0415
 
     lead = process_reconciler().leadership
     return lead is not None and lead.may_act()

@@ -1,4 +1,4 @@
-"""Celery tasks of the control plane: thin edges over ``control.reconciler``."""
+"""Celery tasks of the control plane: thin edges over ``control.reconciler.runner``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from celery import shared_task
 from celery.signals import worker_process_shutdown, worker_shutdown
 from django.conf import settings
 
-from control import reconciler, serving
+from control import serving
+from control.reconciler.runner import process_reconciler
 
 
 @shared_task(
@@ -24,7 +25,7 @@ def reconcile() -> None:
     """One tick, acting only if this process leads (beat sends one about every second). A
     tick that stopped on its budget while placing asks for the next one at once: a wave is
     placed in short ticks back to back, not one short tick a second."""
-    if reconciler.process_reconciler().run_once().more_to_place:
+    if process_reconciler().run_once().more_to_place:
         serving.request_tick()
 
 
@@ -32,4 +33,4 @@ def reconcile() -> None:
 @worker_shutdown.connect
 def release_lease_on_shutdown(**kwargs: Any) -> None:
     """A clean stop gives the lease back, so a standby leads within one tick, not one TTL."""
-    reconciler.process_reconciler().shutdown()
+    process_reconciler().shutdown()

@@ -43,13 +43,8 @@ from agents.protocol import (
     encode,
 )
 from control import agent_reports, desired_state, health, node_tokens, nudges
-from control.agent_sessions import (
-    FULL_RESYNC_EVERY,
-    AgentSession,
-    HeartbeatWriter,
-    NodeRowReader,
-    read_node_rows,
-)
+from control.agent_plumbing import HeartbeatWriter, NodeRowReader, read_node_rows
+from control.agent_sessions import FULL_RESYNC_EVERY, AgentSession
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
 from control.routing import websocket_urlpatterns
 from llmgw_site.config import redis_channel_layer
@@ -674,7 +669,7 @@ async def test_the_resyncs_of_many_streams_read_their_nodes_in_one_query(
         queries.append(sorted(node_ids))
         return read_node_rows(node_ids)
 
-    monkeypatch.setattr("control.agent_sessions.read_node_rows", counted)
+    monkeypatch.setattr("control.agent_plumbing.read_node_rows", counted)
     reader = NodeRowReader()
     gone = max(n.pk for n in nodes) + 1000
     rows = await asyncio.gather(*(reader.read(n.pk) for n in [*nodes, nodes[2]]), reader.read(gone))
@@ -686,7 +681,7 @@ async def test_the_resyncs_of_many_streams_read_their_nodes_in_one_query(
     def broken(node_ids: list[int]) -> dict[int, Any]:
         raise OperationalError("the store is down")
 
-    monkeypatch.setattr("control.agent_sessions.read_node_rows", broken)
+    monkeypatch.setattr("control.agent_plumbing.read_node_rows", broken)
     outcomes = await asyncio.gather(
         reader.read(nodes[0].pk), reader.read(nodes[1].pk), return_exceptions=True
     )

@@ -10,9 +10,12 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from control import gateway_counts, leases, reconciler, serving, tasks
+from control import gateway_counts, leases, serving, tasks
 from control.desired_state import build_desired_state
+from control.leader_operations import change_desired
 from control.models import Event, Node, ProfileScale, Replica, ServedModel, Shard
+from control.reconciler.runner import Reconciler, process_reconciler
+from control.reconciler.tick import TickResult, models_in_turn, tick
 from tests.harness.factories import gib, make_model, make_node, make_profile
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
@@ -25,12 +28,12 @@ def lead() -> leases.Leadership:
 
 def run_tick(
     lead: leases.Leadership, now: datetime | None = None, *, agents_alive: bool = True
-) -> reconciler.TickResult:
+) -> TickResult:
     """A tick at ``now``; by default every node's agent has just sent a heartbeat."""
     now = now or timezone.now()
     if agents_alive:
         Node.objects.update(last_heartbeat_at=now)
-    return reconciler.tick(lead, now)
+    return tick(lead, now)
 
 
 def running(model: ServedModel) -> list[Replica]:
@@ -71,26 +74,26 @@ def test_a_tick_past_its_budget_leaves_the_next_models_to_the_next_tick(
     now = timezone.now()
     Node.objects.update(last_heartbeat_at=now)
     # No time at all: each tick scales one model, then says where the next one goes on.
-    first = reconciler.tick(lead, now, budget=0.0)
+    first = tick(lead, now, budget=0.0)
     assert first.placed == 1 and first.resume_after == models[0].pk
-    second = reconciler.tick(lead, now, budget=0.0, resume_after=first.resume_after)
+    second = tick(lead, now, budget=0.0, resume_after=first.resume_after)
     assert second.placed == 1 and second.resume_after == models[1].pk
-    third = reconciler.tick(lead, now, budget=0.0, resume_after=second.resume_after)
+    third = tick(lead, now, budget=0.0, resume_after=second.resume_after)
     assert third.placed == 1 and third.resume_after == models[2].pk
     assert all(len(running(m)) == 1 for m in models)
     # Each of those placed and stopped on its budget: the next tick is wanted at once.
     assert first.more_to_place and second.more_to_place and third.more_to_place
     # Out of budget with nothing placed (a steady fleet) is no reason to tick again early...
-    idle = reconciler.tick(lead, now, budget=0.0, resume_after=third.resume_after)
+    idle = tick(lead, now, budget=0.0, resume_after=third.resume_after)
     assert idle.placed == 0 and idle.resume_after is not None and not idle.more_to_place
     # ...and a generous budget goes round every model and leaves nothing over.
-    last = reconciler.tick(lead, now, budget=60.0, resume_after=third.resume_after)
+    last = tick(lead, now, budget=60.0, resume_after=third.resume_after)
     assert (last.placed, last.resume_after, last.more_to_place) == (0, None, False)
 
 
 def test_models_take_turns_after_the_one_a_tick_stopped_at() -> None:
     models = [ServedModel(pk=pk, name=f"m{pk}") for pk in (5, 1, 3, 9)]
-    turn = reconciler.models_in_turn
+    turn = models_in_turn
     assert [m.pk for m in turn(models, None)] == [1, 3, 5, 9]
     assert [m.pk for m in turn(models, 3)] == [5, 9, 1, 3]
     assert [m.pk for m in turn(models, 9)] == [1, 3, 5, 9]
@@ -385,7 +388,7 @@ def test_a_held_drain_is_let_go_after_the_drain_timeout(
     ServedModel.objects.filter(pk=model.pk).update(enabled=False, min_replicas=0)
     run_tick(lead, now)
     assert running(model) == [replica], "disabled, but a request is in flight"
-    reconciler.change_desired(
+    change_desired(
         lead,
         replica.pk,
         from_states=[Replica.Desired.RUNNING],
@@ -406,7 +409,7 @@ def test_a_deposed_leaders_tick_writes_nothing() -> None:
     old = leases.claim(owner="old", ttl=0, renew_deadline=30)
     leases.claim(owner="new", ttl=60)
     with pytest.raises(leases.LeadershipLost):
-        reconciler.tick(old, timezone.now())
+        tick(old, timezone.now())
     assert not Replica.objects.exists()
     assert not Event.objects.filter(kind=Event.Kind.PLACEMENT).exists()
 
@@ -415,7 +418,7 @@ def test_run_once_acts_only_while_leading(settings: Any) -> None:
     make_node("a", gpus=gib(80))
     model = make_model("m", min_replicas=1)
     leases.claim(owner="someone-else", ttl=60)
-    follower = reconciler.Reconciler()
+    follower = Reconciler()
     assert not follower.run_once().acted
     assert running(model) == []
     leases.claim(owner="someone-else", ttl=0)
@@ -429,12 +432,12 @@ def test_run_once_acts_only_while_leading(settings: Any) -> None:
 def test_a_clean_stop_hands_the_lease_to_the_next_control_plane_at_once() -> None:
     make_node("a", gpus=gib(80))
     model = make_model("m", min_replicas=1)
-    first = reconciler.Reconciler()
+    first = Reconciler()
     assert first.run_once().placed == 1
     epoch = first.leadership.epoch if first.leadership else 0
     first.shutdown()
     # The next control plane leads at its first tick, not after the TTL.
-    restarted = reconciler.Reconciler()
+    restarted = Reconciler()
     result = restarted.run_once()
     assert result.acted and result.epoch == epoch + 1
     assert len(running(model)) == 1
@@ -446,7 +449,7 @@ def test_a_leader_below_an_agents_epoch_moves_above_it_before_acting() -> None:
     node = make_node("a", gpus=gib(80))
     Node.objects.filter(pk=node.pk).update(agent_epoch=12)
     model = make_model("m", min_replicas=1)
-    result = reconciler.Reconciler().run_once()
+    result = Reconciler().run_once()
     assert result.acted and result.epoch == 13
     view = leases.read()
     assert view is not None and view.epoch == 13
@@ -537,8 +540,8 @@ def test_a_profile_minimum_is_kept_and_a_dropped_profile_is_retired(
 def test_the_tick_task_asks_for_the_next_tick_at_once_only_while_a_wave_is_placed(
     monkeypatch: pytest.MonkeyPatch, placed: int, resume_after: int | None, asks: bool
 ) -> None:
-    result = reconciler.TickResult(acted=True, placed=placed, resume_after=resume_after)
-    monkeypatch.setattr(reconciler.process_reconciler(), "run_once", lambda: result)
+    result = TickResult(acted=True, placed=placed, resume_after=resume_after)
+    monkeypatch.setattr(process_reconciler(), "run_once", lambda: result)
     asked: list[bool] = []
     monkeypatch.setattr(serving, "request_tick", lambda: asked.append(True))
     tasks.reconcile()

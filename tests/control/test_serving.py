@@ -1,12 +1,15 @@
 """What the gateway gets from the control plane and reports back (``control.serving``): the
-stamps the reconciler scales by, written only where older than their precision, and the
-notice of a changed routing row."""
+stamps the reconciler scales by, written only where older than their precision, the notice of
+a changed routing row, and the early tick sent through the site's broker."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.utils import timezone
 
 from control import serving
@@ -74,3 +77,19 @@ def test_a_saved_routing_row_calls_the_subscribers_of_this_process() -> None:
         assert len(calls) == 1
     finally:
         serving._listeners.remove(changed)
+
+
+def test_an_early_tick_is_the_reconcile_task_put_on_the_sites_broker_by_name() -> None:
+    """The site registers the sender at start (the control plane never imports the site); the
+    message lands on the broker the worker reads, naming the task, with an expiry."""
+    folder = Path(settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_out"])
+    before = set(folder.glob("*.msg"))
+    serving.request_tick()
+    sent = sorted(set(folder.glob("*.msg")) - before)
+    try:
+        messages = [json.loads(path.read_bytes()) for path in sent]
+        assert [m["headers"]["task"] for m in messages] == [serving.RECONCILE_TASK]
+        assert messages[0]["headers"]["expires"] is not None
+    finally:
+        for path in sent:
+            path.unlink()

@@ -13,7 +13,7 @@ from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
 from control import leases
-from control.reconciler import process_reconciler
+from control.reconciler.runner import process_reconciler
 from gateway import tasks
 from gateway.errors import ApiError
 from gateway.identity import budgets, keys, limits

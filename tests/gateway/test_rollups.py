@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from control import leases
-from control.reconciler import process_reconciler
+from control.reconciler.runner import process_reconciler
 from gateway import tasks
 from gateway.ledger import reports, rollups
 from gateway.models import RollupMark, UsageRecord, UsageRollup

@@ -9,8 +9,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from control import placement, reconciler
+from control import placement
 from control.models import ServedModel
+from control.reconciler.snapshot import capacity, read_snapshot, replica_request
 
 
 class Command(BaseCommand):
@@ -24,8 +25,8 @@ class Command(BaseCommand):
             served = ServedModel.objects.select_related("default_profile").get(name=model)
         except ServedModel.DoesNotExist:
             raise CommandError(f"no model named {model!r} in the catalog") from None
-        snapshot = reconciler.read_snapshot(timezone.now())
-        request = reconciler.replica_request(served)
+        snapshot = read_snapshot(timezone.now())
+        request = replica_request(served)
         profile = served.default_profile
         self.stdout.write(
             f"model {served.name} (profile {profile.name}: {profile.engine}, "
@@ -40,7 +41,7 @@ class Command(BaseCommand):
         )
         if served.placement_note:
             self.stdout.write(f"last note: {served.placement_note}")
-        outcome = placement.place(reconciler.capacity(snapshot), request, settings.LLMGW_PORT_RANGE)
+        outcome = placement.place(capacity(snapshot), request, settings.LLMGW_PORT_RANGE)
         if isinstance(outcome, placement.Unplaceable):
             self.stdout.write(f"cannot place now: {outcome.reason}")
             raise SystemExit(1)

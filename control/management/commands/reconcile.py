@@ -9,7 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from control import reconciler
+from control.reconciler.runner import process_reconciler, run_loop
 
 
 class Command(BaseCommand):
@@ -33,8 +33,8 @@ class Command(BaseCommand):
         self, *args: Any, once: bool, loop: bool, interval: float | None, **opts: Any
     ) -> None:
         if once:
-            result = reconciler.process_reconciler().run_once()
-            reconciler.process_reconciler().shutdown()
+            result = process_reconciler().run_once()
+            process_reconciler().shutdown()
             if not result.acted:
                 raise CommandError("did not act: another process leads, or the store is down")
             self.stdout.write(
@@ -48,4 +48,4 @@ class Command(BaseCommand):
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        reconciler.run_loop(interval, stop)
+        run_loop(interval, stop)
