@@ -60,12 +60,15 @@ async def _activations(ex: Exchange, route: Route) -> AsyncIterator[Route | None
     keepalive = float(settings.LLMGW_KEEPALIVE_INTERVAL)
     next_keepalive = time.monotonic() + keepalive
     outcome = "disconnected"  # unless the loop below says otherwise
+    # The route asked for, profile included (the body now names the model only).
+    wanted = f"{route.name}@{route.profile}" if route.profile else ex.body.model
     try:
         while True:
-            # The route asked for, profile included (the body now names the model only).
-            wanted = f"{route.name}@{route.profile}" if route.profile else ex.body.model
-            current = upstreams.table.resolve(wanted)
-            if current is not None and current.upstreams:
+            with metrics.waiting_for_activation(route.name):
+                current = await upstreams.wait_for_upstream(
+                    route, wanted, until=min(deadline, next_keepalive)
+                )
+            if current is not None:
                 outcome = "ready"
                 yield current
                 return
@@ -82,9 +85,6 @@ async def _activations(ex: Exchange, route: Route) -> AsyncIterator[Route | None
             if now >= next_keepalive:
                 next_keepalive = now + keepalive
                 yield None
-            upstreams.note_demand(route)
-            with metrics.waiting_for_activation(route.name):
-                await upstreams.changed(min(deadline, next_keepalive) - now)
     finally:
         upstreams.leave_waiting_slot(catalog_id)
         metrics.observe_activation_wait(route.name, time.monotonic() - began, outcome)
