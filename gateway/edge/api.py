@@ -1,5 +1,5 @@
 """``/v1``: the OpenAI-compatible API (django-ninja, async). An edge: it authenticates, then
-hands the request to ``gateway.relay.proxy``; the OpenAPI document it publishes is at
+hands the request to ``gateway.relay.entry``; the OpenAPI document it publishes is at
 ``/v1/openapi.json`` (interactive docs at ``/v1/docs``)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The routes that go to an engine (``gateway.relay.routes``) are answered here wit
 request object, no URL resolver, no middleware, no ``HttpResponse``. This application reads
 the body (refusing one over ``LLMGW_MAX_BODY_BYTES`` with 413 as soon as its declared length,
 or for a chunked upload the bytes received so far, passes the limit), authenticates the key,
-calls ``gateway.relay.proxy.relay`` and writes its ``Response``, a stream chunk by chunk as each
+calls ``gateway.relay.entry.relay`` and writes its ``Response``, a stream chunk by chunk as each
 arrives; ``GET /v1/models`` too (clients list models often, some as a health check). Every
 other ``/v1`` path (key usage, the OpenAPI document) goes through django-ninja, on Django's
 handler without middleware and request signals: ``/v1`` authenticates bearer keys itself and
