@@ -27,7 +27,7 @@ from control.routing import websocket_urlpatterns  # noqa: E402
 from control.views import health  # noqa: E402
 from gateway.edge.asgi import V1App, imported, send_answer  # noqa: E402
 from gateway.ledger.usage import recorder  # noqa: E402
-from gateway.relay import proxy  # noqa: E402
+from gateway.relay import exchange  # noqa: E402
 from gateway.relay.drain import drain  # noqa: E402
 from gateway.responses import Response, whole  # noqa: E402
 from llmgw_site import listeners  # noqa: E402
@@ -167,7 +167,7 @@ async def lifespan(receive: Receive, send: Send) -> None:
             # A stream cut at the grace may still be counting its tokens: its row first.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(COUNTS_GRACE_S):
-                    await proxy.counts_settled()
+                    await exchange.counts_settled()
             await sync_to_async(recorder.close)()
             await send({"type": "lifespan.shutdown.complete"})
             return

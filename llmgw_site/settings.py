@@ -536,8 +536,7 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str(ENV, "LLMGW_LOG_LEVEL", "INFO").upper()},
     "loggers": {
-        # LLMGW_DEBUG_LOGGERS=control.reconciler,gateway.relay.proxy turns up one subsystem at a
-        # time.
+        # LLMGW_DEBUG_LOGGERS=control.reconciler,gateway.relay turns up one subsystem at a time.
         **{
             name: {"level": "DEBUG"}
             for name in env_str(ENV, "LLMGW_DEBUG_LOGGERS", "").split(",")

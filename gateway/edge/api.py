@@ -1,5 +1,5 @@
 """``/v1``: the OpenAI-compatible API (django-ninja, async). An edge: it authenticates, then
-hands the request to ``gateway.relay.proxy``; the OpenAPI document it publishes is at
+hands the request to ``gateway.relay.entry``; the OpenAPI document it publishes is at
 ``/v1/openapi.json`` (interactive docs at ``/v1/docs``)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gateway.errors import ApiError, error_response, invalid_key
 from gateway.identity import keys, limits
 from gateway.identity.keys import KeyInfo
 from gateway.ledger import rollups
-from gateway.relay import proxy
+from gateway.relay import entry
 from gateway.relay.routes import RELAY_ROUTES, RelayRoute
 from gateway.responses import Response
 
@@ -164,14 +164,14 @@ def _key(request: HttpRequest) -> KeyInfo:
 async def list_models(request: HttpRequest) -> HttpResponseBase:
     """The models this key may use: the catalog and static endpoints' models."""
     # Under llmgw_site.asgi this path is served by gateway.edge.asgi without ninja (same function).
-    return to_django(await proxy.model_list(_key(request)))
+    return to_django(await entry.model_list(_key(request)))
 
 
 def _relay_view(route: RelayRoute) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:
     async def view(request: HttpRequest) -> HttpResponseBase:
         # Under llmgw_site.asgi these paths are served by gateway.edge.asgi without ninja (same
         # function, same answers); this is the path for any other mounting.
-        answer = await proxy.relay(request.body, _key(request), route, time.perf_counter())
+        answer = await entry.relay(request.body, _key(request), route, time.perf_counter())
         return to_django(answer)
 
     return view

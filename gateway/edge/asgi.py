@@ -5,7 +5,7 @@ The routes that go to an engine (``gateway.relay.routes``) are answered here wit
 request object, no URL resolver, no middleware, no ``HttpResponse``. This application reads
 the body (refusing one over ``LLMGW_MAX_BODY_BYTES`` with 413 as soon as its declared length,
 or for a chunked upload the bytes received so far, passes the limit), authenticates the key,
-calls ``gateway.relay.proxy.relay`` and writes its ``Response``, a stream chunk by chunk as each
+calls ``gateway.relay.entry.relay`` and writes its ``Response``, a stream chunk by chunk as each
 arrives; ``GET /v1/models`` too (clients list models often, some as a health check). Every
 other ``/v1`` path (key usage, the OpenAPI document) goes through django-ninja, on Django's
 handler without middleware and request signals: ``/v1`` authenticates bearer keys itself and
@@ -35,7 +35,7 @@ from django.urls import set_script_prefix
 from gateway.errors import ApiError, error_response, invalid_key, openai_shaped, too_large
 from gateway.identity import keys
 from gateway.identity.keys import KeyInfo
-from gateway.relay import proxy
+from gateway.relay import entry
 from gateway.relay.drain import drain
 from gateway.relay.routes import BY_PATH, RelayRoute
 from gateway.responses import Response
@@ -109,7 +109,7 @@ async def _answer(
     route: RelayRoute, authorization: bytes | None, body: bytes, clock_start: float
 ) -> Response:
     key = await _key_or_refusal(authorization)
-    return key if isinstance(key, Response) else await proxy.relay(body, key, route, clock_start)
+    return key if isinstance(key, Response) else await entry.relay(body, key, route, clock_start)
 
 
 async def _key_or_refusal(authorization: bytes | None) -> KeyInfo | Response:
@@ -122,7 +122,7 @@ async def _key_or_refusal(authorization: bytes | None) -> KeyInfo | Response:
 
 async def _models(authorization: bytes | None) -> Response:
     key = await _key_or_refusal(authorization)
-    return key if isinstance(key, Response) else await proxy.model_list(key)
+    return key if isinstance(key, Response) else await entry.model_list(key)
 
 
 async def _relay(

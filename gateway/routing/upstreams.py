@@ -173,13 +173,28 @@ class Upstreams:
         if refreshed is not None:
             refreshed.set()
 
-    async def changed(self, within: float) -> None:
+    async def _changed(self, within: float) -> None:
         """Wait until the next table load, or ``within`` seconds."""
         if self._refreshed is None:
             self._refreshed = asyncio.Event()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, within)):
                 await self._refreshed.wait()
+
+    async def wait_for_upstream(self, route: Route, wanted: str, *, until: float) -> Route | None:
+        """What ``wanted`` resolves to once that has an upstream, or None at ``until`` (on the
+        ``time.monotonic()`` clock). Each table load is looked at as it lands, and before each
+        wait demand for ``route`` is noted, so the reconciler places a replica (and goes on
+        wanting it) for as long as a request waits."""
+        while True:
+            current = self.table.resolve(wanted)
+            if current is not None and current.upstreams:
+                return current
+            now = time.monotonic()
+            if now >= until:
+                return None
+            self.note_demand(route)
+            await self._changed(until - now)
 
     async def _run(self) -> None:
         assert self._wake is not None and self._first_load is not None
