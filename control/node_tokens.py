@@ -1,14 +1,13 @@
 """Node tokens: issued and revoked by operators, checked at every stream's handshake.
 
-A token is shown once; only its SHA-256 and a visible prefix are stored. Re-issuing or
+A token is ``llmgw_node_`` and 43 URL-safe characters (``credentials.bearer`` mints, hashes and
+checks it); it is shown once, and only its SHA-256 and a visible prefix are stored. Re-issuing or
 revoking a token closes the streams that hold the old one (through a nudge after commit), so a
 leaked token stops working at once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 from dataclasses import dataclass
 from typing import Final
 
@@ -18,15 +17,12 @@ from django.utils import timezone
 from agents.protocol import TOKEN_PREFIX
 from control import nudges
 from control.models import Event, Node
+from credentials.bearer import BearerSecret
 
-TOKEN_VISIBLE_CHARS: Final = len(TOKEN_PREFIX) + 6
-MAX_TOKEN_LENGTH: Final = 200
-
-
-def hash_token(token: str) -> str:
-    """A node token has 256 bits of entropy, so one SHA-256 is enough: nothing to brute-force,
-    and a lookup by hash takes no time that depends on the secret."""
-    return hashlib.sha256(token.encode()).hexdigest()
+# The marker is the protocol's: the agent checks it too, to refuse a wrong kind of secret.
+NODE_TOKEN: Final = BearerSecret(TOKEN_PREFIX, shown=6)
+TOKEN_VISIBLE_CHARS: Final = NODE_TOKEN.prefix_length
+hash_token: Final = NODE_TOKEN.hash
 
 
 @dataclass(frozen=True)
@@ -55,23 +51,21 @@ def issue_node_token(name: str) -> str:
     Returned once; only its hash and visible prefix are kept. Streams holding the old token
     are closed after commit, so a leaked token stops working at once when re-issued.
     """
-    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    new = NODE_TOKEN.issue()
     with transaction.atomic():
         node, created = Node.objects.get_or_create(name=name)
         Node.objects.filter(pk=node.pk).update(
-            token_hash=hash_token(token),
-            token_prefix=token[:TOKEN_VISIBLE_CHARS],
-            token_issued_at=timezone.now(),
+            token_hash=new.hash, token_prefix=new.prefix, token_issued_at=timezone.now()
         )
         Event.objects.create(
             kind=Event.Kind.NODE,
             subject=f"node/{name}",
-            message=f"node token issued ({token[:TOKEN_VISIBLE_CHARS]}…)"
+            message=f"node token issued ({new.prefix}…)"
             + (", node registered" if created else ", the previous token no longer works"),
         )
         if not created:
             nudges.send_on_commit(node.pk, nudges.TOKEN_REVOKED)
-    return token
+    return new.secret
 
 
 def revoke_node_token(name: str) -> bool:
@@ -98,12 +92,13 @@ def authenticate(token: str, claimed_node: str | None) -> NodeIdentity:
     (never containing the token)."""
     if not token:
         raise TokenRejected("no node token")
-    if not token.startswith(TOKEN_PREFIX) or len(token) > MAX_TOKEN_LENGTH:
+    if not NODE_TOKEN.well_formed(token):
         raise TokenRejected("not a node token")
-    row = Node.objects.filter(token_hash=hash_token(token)).values_list("pk", "name").first()
+    token_hash = NODE_TOKEN.hash(token)
+    row = Node.objects.filter(token_hash=token_hash).values_list("pk", "name").first()
     if row is None:
         raise TokenRejected("unknown or revoked node token")
-    identity = NodeIdentity(id=row[0], name=row[1], token_hash=hash_token(token))
+    identity = NodeIdentity(id=row[0], name=row[1], token_hash=token_hash)
     if claimed_node is not None and claimed_node != identity.name:
         raise TokenRejected(f"the token of node {identity.name!r} claims node {claimed_node!r}")
     return identity

@@ -1,10 +1,9 @@
 """API keys: issue (shown once, stored as a SHA-256), check (cached in-process), revoke.
 
-A key is ``llmgw-`` followed by 43 URL-safe characters (256 bits from ``secrets``). The first
-14 characters are stored as the prefix, so operators can tell keys apart without the secret;
-the database keeps only the hash, so a leaked dump reveals no key. Because the secret is
-high-entropy, a plain SHA-256 is the right hash (a slow password hash protects low-entropy
-secrets and would cost every request milliseconds).
+A key is ``llmgw-`` followed by 43 URL-safe characters (256 bits); the first 14 characters are
+stored as the prefix, so operators can tell keys apart without the secret, and the database
+keeps only the hash, so a leaked dump reveals no key (``credentials.bearer`` mints, hashes and
+checks them, and says why a plain SHA-256 is the right hash).
 
 Checking a key must not cost a database round trip on a warm request: lookups (hits and
 misses) are cached in-process for ``LLMGW_KEY_CACHE_TTL`` seconds, so a revocation or an edit
@@ -15,15 +14,13 @@ cached expiry, so it takes effect to the second.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import re
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -31,15 +28,18 @@ from django.contrib.auth import get_user_model
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
+from credentials.bearer import BearerSecret
 from gateway import dbthread
 from gateway.errors import ApiError
 from gateway.models import ApiKey, TeamLimits, UserLimits
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "llmgw-"
-PREFIX_LENGTH = 14
-_KEY_RE = re.compile(r"llmgw-[A-Za-z0-9_-]{43}")
+API_KEY: Final = BearerSecret("llmgw-", shown=8)
+KEY_PREFIX: Final = API_KEY.marker
+PREFIX_LENGTH: Final = API_KEY.prefix_length
+hash_key: Final = API_KEY.hash
+well_formed: Final = API_KEY.well_formed
 # Bounds the cache against a flood of random keys; overflowing clears it (cheap, rare).
 _CACHE_MAX = 50_000
 # How long past its TTL a cached key is still trusted while the store cannot be reached.
@@ -111,14 +111,6 @@ class IssuedKey:
     api_key: ApiKey
 
 
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def well_formed(key: str) -> bool:
-    return _KEY_RE.fullmatch(key) is not None
-
-
 def issue(
     username: str,
     *,
@@ -132,13 +124,13 @@ def issue(
 ) -> IssuedKey:
     """Create a key for an existing user. The returned ``key`` is the only copy there is."""
     user = get_user_model().objects.get(username=username)
-    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    new = API_KEY.issue()
     with transaction.atomic():
         api_key = ApiKey.objects.create(
             user=user,
             name=name,
-            prefix=key[:PREFIX_LENGTH],
-            key_hash=hash_key(key),
+            prefix=new.prefix,
+            key_hash=new.hash,
             allowed_models=sorted(set(models or [])),
             rpm_limit=rpm,
             tpm_limit=tpm,
@@ -146,7 +138,7 @@ def issue(
             budget_period=budget_period,
             expires_at=expires_at,
         )
-    return IssuedKey(key, api_key)
+    return IssuedKey(new.secret, api_key)
 
 
 def revoke(key_id: int) -> bool:

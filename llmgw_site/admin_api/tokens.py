@@ -6,23 +6,23 @@ the three give the same row; the token itself exists only in the value returned.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import re
-import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Final
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from credentials.bearer import BearerSecret
 from llmgw_site.admin_api.models import AdminToken
 
-TOKEN_PREFIX = "llmgw-admin-"  # noqa: S105 - a public marker, not a secret
-VISIBLE_CHARS = len(TOKEN_PREFIX) + 8
-_TOKEN_RE = re.compile(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{43}")
+ADMIN_TOKEN: Final = BearerSecret("llmgw-admin-", shown=8)
+TOKEN_PREFIX: Final = ADMIN_TOKEN.marker
+VISIBLE_CHARS: Final = ADMIN_TOKEN.prefix_length
+hash_token: Final = ADMIN_TOKEN.hash
+well_formed: Final = ADMIN_TOKEN.well_formed
 # last_used_at is a hint for operators ("is this token still in use?"), not an audit trail:
 # written at most this often, so a busy script does not turn every read into a write.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
@@ -32,14 +32,6 @@ LAST_USED_RESOLUTION = timedelta(minutes=1)
 class IssuedToken:
     token: str  # shown once, never stored
     row: AdminToken
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def well_formed(token: str) -> bool:
-    return _TOKEN_RE.fullmatch(token) is not None
 
 
 def issue(
@@ -52,17 +44,17 @@ def issue(
     """A new token. The returned ``token`` is the only copy there is."""
     if scope not in AdminToken.Scope.values:
         raise ValueError(f"scope {scope!r} is not one of {', '.join(AdminToken.Scope.values)}")
-    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    new = ADMIN_TOKEN.issue()
     with transaction.atomic():
         row = AdminToken.objects.create(
             name=name,
             scope=scope,
-            prefix=token[:VISIBLE_CHARS],
-            token_hash=hash_token(token),
+            prefix=new.prefix,
+            token_hash=new.hash,
             created_by=created_by,  # type: ignore[misc]
             expires_at=expires_at,
         )
-    return IssuedToken(token, row)
+    return IssuedToken(new.secret, row)
 
 
 def revoke(token_id: int) -> bool:
@@ -87,7 +79,7 @@ def check(token: str) -> AdminToken | None:
     )
     # The lookup is by hash, an exact match on a unique index; the comparison below only
     # guards against a hash column that was edited by hand.
-    if row is None or not hmac.compare_digest(row.token_hash, hash_token(token)):
+    if row is None or not ADMIN_TOKEN.matches(token, row.token_hash):
         return None
     if row.last_used_at is None or now - row.last_used_at > LAST_USED_RESOLUTION:
         AdminToken.objects.filter(pk=row.pk).update(last_used_at=now)
