@@ -71,6 +71,8 @@ class ReadyReplica:
     host: str
     port: int
     engine_key: str = ""
+    # Goes up when the replica restarts: what the gateway learned of its cache is then void.
+    generation: int = 1
 
 
 @dataclass(frozen=True)
@@ -133,12 +135,12 @@ def routing_snapshot() -> RoutingSnapshot:
     # A replica takes traffic when it is observed ready, meant to run, and its head shard's
     # node is healthy and not draining (drained nodes finish what they hold, take nothing new).
     live = {
-        replica_id: (model_id, profile_id, key)
-        for replica_id, model_id, profile_id, key in Replica.objects.filter(
+        replica_id: (model_id, profile_id, key, generation)
+        for replica_id, model_id, profile_id, key, generation in Replica.objects.filter(
             observed=Replica.Observed.READY, desired=Replica.Desired.RUNNING
         )
         .order_by()
-        .values_list("id", "model_id", "profile_id", "engine_key")
+        .values_list("id", "model_id", "profile_id", "engine_key", "generation")
     }
     nodes = dict(
         Node.objects.filter(health=Node.Health.READY)
@@ -161,10 +163,9 @@ def routing_snapshot() -> RoutingSnapshot:
             # Agents cannot send such an address; a row edited around them is not trusted.
             logger.warning("replica %s: node address %r %s; not routed", replica_id, host, problem)
             continue
-        model_id, profile_id, key = live[replica_id]
-        replicas.append(
-            ReadyReplica(replica_id, model_id, profile_names.get(profile_id, ""), host, port, key)
-        )
+        model_id, profile_id, key, generation = live[replica_id]
+        profile = profile_names.get(profile_id, "")
+        replicas.append(ReadyReplica(replica_id, model_id, profile, host, port, key, generation))
     return RoutingSnapshot(models, replicas)
 
 

@@ -222,17 +222,19 @@ def observe_route(model: str, outcome: str) -> None:
 
 
 def observe_prefix_cache(
-    model: str, upstream: str, *, prompt_tokens: int, cached_tokens: int, prediction: str
+    model: str, upstream: str, *, prompt_tokens: int, cached_tokens: int, prediction: str | None
 ) -> None:
     """What an engine reported of its prefix cache for one request, and what that said of the
-    router's prediction (``agreed``, ``denied``, ``surprised``)."""
+    router's prediction (``agreed``, ``denied``, ``surprised``; None: nothing was predicted,
+    the prompt had no full block)."""
     counts = _cached.get((model, upstream))
     if counts is None:
         counts = _cached[(model, upstream)] = [0, 0]
     counts[0] += max(0, prompt_tokens)
     counts[1] += max(0, cached_tokens)
-    key = (model, prediction)
-    _predictions[key] = _predictions.get(key, 0) + 1
+    if prediction is not None:
+        key = (model, prediction)
+        _predictions[key] = _predictions.get(key, 0) + 1
     _write_soon()
 
 

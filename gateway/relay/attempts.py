@@ -79,9 +79,10 @@ async def open_upstream(ex: Exchange) -> Opened:
         503, f"No upstream serves '{ex.route.name}' now.", "no_upstream", retry_after=5
     )
     for attempt in range(attempts):
-        upstream = upstreams.choose(ex.route, exclude=ex.tried) or upstreams.choose(ex.route)
-        if upstream is None:
+        choice = ex.choose()
+        if choice is None:
             break
+        upstream = choice.upstream
         if attempt:
             metrics.observe_retry(ex.route.name, last.code)
         ex.tried.add(upstream.id)

@@ -36,6 +36,8 @@ from gateway.relay.exchange import (
 )
 from gateway.relay.routes import RelayRoute
 from gateway.responses import Response
+from gateway.routing import prefix
+from gateway.routing.choice import affinity_of
 from gateway.routing.upstreams import upstreams
 
 logger = logging.getLogger(__name__)
@@ -45,14 +47,21 @@ def _start_background() -> None:
     recorder.ensure_running()
 
 
-async def relay(body: bytes, key: KeyInfo, api_route: RelayRoute, clock_start: float) -> Response:
-    """The request path after authentication, for one ``/v1`` call that goes to an engine."""
+async def relay(
+    body: bytes,
+    key: KeyInfo,
+    api_route: RelayRoute,
+    clock_start: float,
+    session: str | None = None,
+) -> Response:
+    """The request path after authentication, for one ``/v1`` call that goes to an engine.
+    ``session`` is the client's ``x-session-id`` header, if it sent one."""
     _start_background()
     request_id = new_request_id()
     usage = Usage(request_id, key.id, key.user_id, "", api_route.kind, time.time())
     ex = Exchange(api_route, key, usage, clock_start)
     try:
-        return await _serve(ex, body)
+        return await _serve(ex, body, session)
     except ApiError as error:
         ex.finish(error.status, error_reason(error))
         return error_response(error, request_id)
@@ -83,7 +92,7 @@ async def model_list(key: KeyInfo) -> Response:
     return responses.whole(200, body)
 
 
-async def _serve(ex: Exchange, raw: bytes) -> Response:
+async def _serve(ex: Exchange, raw: bytes, session: str | None) -> Response:
     body = payload.inspect(raw, ex.api_route, max_items=int(settings.LLMGW_MAX_ITEMS))
     ex.body = body
     ex.usage.model = body.model
@@ -130,6 +139,14 @@ async def _serve(ex: Exchange, raw: bytes) -> Response:
         # Reserved by the default for want of the context length: learn it for next time.
         ex.learn_context = body.max_tokens is None and context_length is None
     upstreams.note_request(route, None)
+    if ex.api_route.tag == "generation" and settings.LLMGW_ROUTING_POLICY == "cache_aware":
+        ex.blocks = prefix.blocks_of(
+            ex.api_route.kind,
+            body.data,
+            int(settings.LLMGW_ROUTING_BLOCK_BYTES),
+            int(settings.LLMGW_ROUTING_MAX_BLOCKS),
+        )
+        ex.affinity = affinity_of(body.data, session)
     if not route.upstreams:
         if body.stream:
             # Headers go out now so keep-alive comments can hold the stream open while the

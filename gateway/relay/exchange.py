@@ -35,6 +35,8 @@ from gateway.relay import counting, payload
 from gateway.relay.drain import drain
 from gateway.relay.routes import RelayRoute
 from gateway.relay.upstream_client import Pool
+from gateway.routing import prefix
+from gateway.routing.choice import Choice
 from gateway.routing.table import Route, Upstream
 from gateway.routing.upstreams import upstreams
 from telemetry import metrics
@@ -99,10 +101,27 @@ class Exchange:
     learn_context: bool = False  # ask the engine its context length once this request ends
     served_by: Upstream | None = None
     tried: set[str] = field(default_factory=set)
+    # Routing by the cache: the prompt's blocks, the session it names, and what the choice of
+    # the upstream that served it expected to be cached there (corrected by the engine's report).
+    blocks: prefix.PromptBlocks = prefix.NO_BLOCKS
+    affinity: int | None = None
+    predicted: int = 0
 
     @property
     def request_id(self) -> str:
         return self.usage.request_id
+
+    def choose(self) -> Choice | None:
+        """The upstream for the next attempt: an untried one where any is left."""
+        assert self.route is not None
+        blocks, affinity = self.blocks, self.affinity
+        choice = upstreams.choose(
+            self.route, self.tried, blocks=blocks, affinity=affinity
+        ) or upstreams.choose(self.route, blocks=blocks, affinity=affinity)
+        if choice is not None:
+            self.predicted = choice.predicted
+            metrics.observe_route(self.route.name, choice.outcome)
+        return choice
 
     def hold(self, upstream: Upstream) -> None:
         self.drop_hold()
@@ -155,6 +174,8 @@ class Exchange:
             recorder.finish(usage)
             if tokens is not None and tokens.clamped:
                 recorder.note_clamped(usage, tokens.clamped)
+        if tokens is not None and tokens.cached_reported and self.served_by is not None:
+            self._learn(self.served_by, tokens)
         # The catalog's name, never the client's string: clients cannot grow the label set.
         metrics.observe_request(
             self.route.name if self.route is not None else metrics.UNKNOWN_MODEL,
@@ -166,6 +187,24 @@ class Exchange:
         )
         if self.reservation.counters:
             limits.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens)
+
+    def _learn(self, upstream: Upstream, tokens: payload.Tokens) -> None:
+        """What the engine said it had cached: the truth routing is corrected by, and the
+        prefix-cache hit ratio operators watch."""
+        assert self.route is not None
+        prediction = None
+        if self.blocks.keys:
+            learned = upstreams.learn(
+                upstream, self.blocks, self.predicted, tokens.cached, tokens.prompt
+            )
+            prediction = learned.outcome
+        metrics.observe_prefix_cache(
+            self.route.name,
+            upstream.id,
+            prompt_tokens=tokens.prompt,
+            cached_tokens=tokens.cached,
+            prediction=prediction,
+        )
 
     def finish_uncounted(
         self,

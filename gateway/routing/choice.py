@@ -74,6 +74,16 @@ def session_key(value: str) -> int:
     return zlib.crc32(value.encode("utf-8", "surrogatepass"))
 
 
+def affinity_of(data: Mapping[str, object], session: str | None) -> int | None:
+    """The session a request names, as a rendezvous key: OpenAI's ``prompt_cache_key`` (what
+    the official client sends for this), else an ``x-session-id`` header, else the older
+    ``user`` field. None when it names none (an empty or non-string value names none)."""
+    for value in (data.get("prompt_cache_key"), session, data.get("user")):
+        if isinstance(value, str) and value:
+            return session_key(value)
+    return None
+
+
 @functools.lru_cache(maxsize=4096)
 def _id_hash(upstream_id: str) -> int:
     return _mix(zlib.crc32(upstream_id.encode()))

@@ -23,6 +23,8 @@ class Upstream:
     # Which addresses a connection may end at (upstream_client.AddressPolicy's values):
     # "node" for replicas, "public" for Endpoint rows, "any" where an operator allowed it.
     addresses: str = "any"
+    # A replica's restart count: what routing learned of its cache holds for one generation.
+    generation: int = 0
 
     @property
     def authorization(self) -> bytes:
@@ -58,6 +60,7 @@ class ReplicaRow:
     host: str
     port: int
     key: str = field(default="", repr=False)
+    generation: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,17 @@ class Table:
 
     def model_names(self) -> list[str]:
         return sorted(self.entries)
+
+    def upstreams(self) -> dict[str, Upstream]:
+        """Every upstream the table routes to, by id."""
+        found: dict[str, Upstream] = {}
+        for entry in self.entries.values():
+            for upstream in (
+                *entry.endpoints,
+                *(u for ups in entry.by_profile.values() for u in ups),
+            ):
+                found[upstream.id] = upstream
+        return found
 
     def resolve(self, requested: str) -> Route | None:
         """``name``, an alias, or ``name@profile``. None if nothing by that name is served."""
@@ -178,6 +192,7 @@ def build_table(
             base_url(replica.host, replica.port),
             key=replica.key,
             addresses="node",
+            generation=replica.generation,
         )
         by_model.setdefault(replica.model_id, {}).setdefault(replica.profile, []).append(upstream)
     static: dict[str, list[Upstream]] = {}

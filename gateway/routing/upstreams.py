@@ -38,6 +38,9 @@ from gateway import dbthread
 from gateway.addresses import AddressPolicy, upstream_url_problem
 from gateway.errors import ApiError
 from gateway.models import Endpoint
+from gateway.routing import prefix
+from gateway.routing.choice import LEAST_LOADED, Bounds, Choice, Placement, choose_cached
+from gateway.routing.mirrors import Learned, Mirrors
 from gateway.routing.table import (
     CatalogRow,
     EndpointRow,
@@ -78,7 +81,9 @@ def load_table(version: int = 0) -> Table:
     ]
     profiles = {entry.id: set(entry.profiles) for entry in snapshot.models if entry.profiles}
     replicas = [
-        ReplicaRow(r.id, r.model_id, r.profile, r.host, r.port, key=r.engine_key)
+        ReplicaRow(
+            r.id, r.model_id, r.profile, r.host, r.port, key=r.engine_key, generation=r.generation
+        )
         for r in snapshot.replicas
     ]
 
@@ -136,6 +141,8 @@ class Upstreams:
         self._refreshed: asyncio.Event | None = None
         self._reload_wanted = True
         self._active_at: dict[str, float] = {}  # replica upstream id -> last finish, monotonic
+        # What each upstream's prefix cache is expected to hold (routing by the cache).
+        self.mirrors = Mirrors(int(settings.LLMGW_ROUTING_MIRROR_BLOCKS))
 
     # --- the table ------------------------------------------------------------------------
 
@@ -168,6 +175,8 @@ class Upstreams:
         table = await sync_to_async(load_table)(next(self._versions))
         self.table = table
         self.loaded = True
+        # A replica that restarted, drained or left takes what was learned of its cache along.
+        self.mirrors.retain({uid: (u.generation, None) for uid, u in table.upstreams().items()})
         # Wake everyone waiting for a change, and give later waiters a fresh event.
         refreshed, self._refreshed = self._refreshed, asyncio.Event()
         if refreshed is not None:
@@ -254,16 +263,56 @@ class Upstreams:
     # --- choosing and accounting ---------------------------------------------------------
 
     def choose(
-        self, route: Route, exclude: set[str] | frozenset[str] = frozenset()
-    ) -> Upstream | None:
-        return choose(
+        self,
+        route: Route,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        *,
+        blocks: prefix.PromptBlocks = prefix.NO_BLOCKS,
+        affinity: int | None = None,
+    ) -> Choice | None:
+        """The upstream for one attempt (``gateway.routing.choice``), its prompt's blocks then
+        expected there; by outstanding requests alone under the ``least_outstanding`` policy."""
+        now = time.monotonic()
+        if settings.LLMGW_ROUTING_POLICY != "cache_aware":
+            upstream = choose(
+                route.upstreams,
+                self.outstanding,
+                self.ejected_until,
+                now,
+                exclude=exclude,
+                offset=next(self._rotation),
+            )
+            return None if upstream is None else Choice(upstream, LEAST_LOADED, 0)
+        choice = choose_cached(
             route.upstreams,
             self.outstanding,
             self.ejected_until,
-            time.monotonic(),
+            now,
+            placement=Placement(
+                blocks.lead, affinity, self.mirrors.matches(_ids(route), blocks.keys)
+            ),
+            bounds=Bounds(
+                float(settings.LLMGW_ROUTING_LOAD_FACTOR), int(settings.LLMGW_ROUTING_LOAD_SLACK)
+            ),
             exclude=exclude,
             offset=next(self._rotation),
         )
+        if choice is not None:
+            self.mirrors.hold(choice.upstream.id, blocks.keys)
+        return choice
+
+    def learn(
+        self,
+        upstream: Upstream,
+        blocks: prefix.PromptBlocks,
+        predicted: int,
+        cached: int,
+        prompt: int,
+    ) -> Learned:
+        """What the engine reported it had cached of a prompt routed to it: the truth its
+        mirror is corrected by."""
+        confirmed = prefix.covering(blocks, cached, prompt)
+        return self.mirrors.learn(upstream.id, predicted, confirmed)
 
     def acquire(self, upstream: Upstream) -> None:
         count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
@@ -392,6 +441,10 @@ class Upstreams:
             return False
         self._stamped[key] = now
         return True
+
+
+def _ids(route: Route) -> list[str]:
+    return [u.id for u in route.upstreams]
 
 
 def write_stamps(
