@@ -16,10 +16,9 @@ from agents.engines import Launch, LaunchContext
 from agents.gpus import SimulatedGpus, parse_simulated
 from agents.plan import Want
 from agents.processes import Launcher, ProcessHandle, spawn
-from agents.protocol import (
-    DesiredShard,
+from agents.protocol.messages import DesiredShard, DesiredState
+from agents.protocol.vocabulary import (
     DesiredShardState,
-    DesiredState,
     Engine,
     FailureClass,
     ShardState,
