@@ -37,7 +37,7 @@ from pydantic import ConfigDict, field_validator
 
 from control import leases, node_certs, node_tokens, operations
 from control.models import Event, Node, Profile, Replica, ServedModel
-from gateway.identity import keys
+from gateway.identity import allowances, keys
 from gateway.identity import people as gateway_people
 from gateway.ledger import reports
 from gateway.models import ApiKey, TeamLimits, UsageRecord, UserLimits
@@ -1048,7 +1048,7 @@ def _limits_out(
         "token_budget": row.token_budget if row is not None else None,
         "budget_period": period,
         "spent": spent_by(row) if row is not None else 0,
-        "period_start": gateway_people.period_start(period),
+        "period_start": allowances.period_start(period),
         "self_service": row.self_service if isinstance(row, UserLimits) else True,
     }
 
@@ -1080,7 +1080,7 @@ def _set_limits(
 def get_user_limits(request: HttpRequest, username: str) -> Any:
     """The user's own limits over all their keys, and whether they may make keys."""
     row = UserLimits.objects.filter(user_id=_user_pk(username)).first()
-    return _limits_out(row, gateway_people.user_spend)
+    return _limits_out(row, allowances.user_spend)
 
 
 @people_router.patch("/users/{username}/limits", response=UserLimitsOut)
@@ -1088,7 +1088,7 @@ def update_user_limits(request: HttpRequest, username: str, payload: UserLimitsP
     """Change the given limits; keys take the change up within the key cache's TTL."""
     changes = _limits_changes(payload)
     row = _set_limits(request, gateway_people.set_user_limits, _user_pk(username), changes)
-    return _limits_out(row, gateway_people.user_spend)
+    return _limits_out(row, allowances.user_spend)
 
 
 @people_router.delete("/users/{username}/limits", response=Changed)
@@ -1103,7 +1103,7 @@ def clear_user_limits(request: HttpRequest, username: str) -> Any:
 def get_team_limits(request: HttpRequest, name: str) -> Any:
     """The team's limits over all its members' keys."""
     row = TeamLimits.objects.filter(team_id=_team_pk(name)).first()
-    return _limits_out(row, gateway_people.team_spend)
+    return _limits_out(row, allowances.team_spend)
 
 
 @people_router.patch("/teams/{name}/limits", response=LimitsOut)
@@ -1112,7 +1112,7 @@ def update_team_limits(request: HttpRequest, name: str, payload: LimitsPatch) ->
     row = _set_limits(
         request, gateway_people.set_team_limits, _team_pk(name), _limits_changes(payload)
     )
-    return _limits_out(row, gateway_people.team_spend)
+    return _limits_out(row, allowances.team_spend)
 
 
 @people_router.delete("/teams/{name}/limits", response=Changed)
