@@ -120,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     from bench import django_on
-    from bench.fleet import fresh_database
+    from bench.fleet.store import fresh_database
 
     fresh_database(args.database_url)
     env = django_on(args.database_url, WORK)
