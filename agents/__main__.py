@@ -31,7 +31,8 @@ from agents import __version__, links
 from agents.agent import Agent, ConnectionConfig
 from agents.engines import LaunchContext
 from agents.gpus import discover, parse_simulated
-from agents.protocol import TOKEN_PREFIX, valid_node_name
+from agents.protocol.names import valid_node_name
+from agents.protocol.vocabulary import TOKEN_PREFIX
 from agents.supervisor import Supervisor, SupervisorConfig
 
 logger = logging.getLogger("agents")

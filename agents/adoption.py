@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from agents.processes import ProcessMark
-from agents.protocol import DesiredShard
+from agents.protocol.messages import DesiredShard
 
 logger = logging.getLogger(__name__)
 

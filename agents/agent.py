@@ -23,19 +23,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from agents import __version__, grpc_wire, links
-from agents.protocol import (
-    MAX_MESSAGE_BYTES,
-    NODE_HEADER,
-    CloseCode,
-    DesiredState,
-    ErrorMessage,
-    Heartbeat,
-    Hello,
-    ProtocolError,
-    Welcome,
-    decode_server_message,
-    encode,
-)
+from agents.protocol.codec import decode_server_message, encode
+from agents.protocol.messages import DesiredState, ErrorMessage, Heartbeat, Hello, Welcome
+from agents.protocol.vocabulary import MAX_MESSAGE_BYTES, NODE_HEADER, CloseCode, ProtocolError
 from agents.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)

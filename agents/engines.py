@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from agents.protocol import DesiredShard, Engine, FailureClass
+from agents.protocol.messages import DesiredShard
+from agents.protocol.vocabulary import Engine, FailureClass
 
 
 class RecipeError(Exception):

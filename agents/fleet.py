@@ -46,7 +46,8 @@ from agents.agent import Agent, ConnectionConfig, stream_url
 from agents.engines import Launch, LaunchContext
 from agents.gpus import SimulatedGpus, parse_simulated
 from agents.processes import ProcessMark
-from agents.protocol import DesiredShard, DesiredState, Welcome, valid_node_name
+from agents.protocol.messages import DesiredShard, DesiredState, Welcome
+from agents.protocol.names import valid_node_name
 from agents.sim import SimConfig, SimServer
 from agents.supervisor import Supervisor, SupervisorConfig
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import replace
 from typing import Any, Protocol
 
-from agents.protocol import GpuInfo
+from agents.protocol.messages import GpuInfo
 
 logger = logging.getLogger(__name__)
 

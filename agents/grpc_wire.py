@@ -1,7 +1,7 @@
 """The protocol's messages as gRPC frames (``agents/agent.proto``), and back.
 
 A frame is turned into exactly the JSON object the WebSocket transport carries and handed to
-the one decoder in :mod:`agents.protocol`, so both transports validate every field the same
+the one decoder in :mod:`agents.protocol.codec`, so both transports validate every field the same
 way; this module only moves fields between the two shapes, guided by the schema's own
 descriptors (no hand-written list of fields to fall out of step).
 
@@ -20,8 +20,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from agents import agent_pb2
-from agents.protocol import PROTOCOL_VERSION, CloseCode, ProtocolError
-from agents.protocol import Message as ProtocolMessage
+from agents.protocol.messages import Message as ProtocolMessage
+from agents.protocol.vocabulary import PROTOCOL_VERSION, CloseCode, ProtocolError
 
 SERVICE: Final = "llmgw.agent.v1.AgentPlane"
 METHOD: Final = f"/{SERVICE}/Stream"
@@ -109,7 +109,7 @@ def to_frame(message: ProtocolMessage, frame_type: type[Message]) -> Message:
 
 
 def text_to_frame(text: str, frame_type: type[Message]) -> Message:
-    """A frame from the JSON text :func:`agents.protocol.encode` made (what a session sends
+    """A frame from the JSON text :func:`agents.protocol.codec.encode` made (what a session sends
     through any transport)."""
     raw = json.loads(text)
     kind = raw.pop("type")

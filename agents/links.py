@@ -29,7 +29,7 @@ import grpc
 from websockets.exceptions import ConnectionClosed
 
 from agents import grpc_wire
-from agents.protocol import STREAM_PATH
+from agents.protocol.vocabulary import STREAM_PATH
 
 WEBSOCKET: Final = "websocket"
 GRPC: Final = "grpc"

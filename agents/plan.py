@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
-from agents.protocol import DesiredShard, DesiredShardState, DesiredState, ShardState
+from agents.protocol.messages import DesiredShard, DesiredState
+from agents.protocol.vocabulary import DesiredShardState, ShardState
 
 FINISHED: Final = frozenset({ShardState.STOPPED, ShardState.FAILED, ShardState.PENDING})
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from agents.engines import Launch
-from agents.protocol import LOG_LINE_MAX_CHARS, DesiredShard
+from agents.protocol.messages import DesiredShard
+from agents.protocol.vocabulary import LOG_LINE_MAX_CHARS
 
 LOG_TAIL_LINES: Final = 20
 

@@ -64,16 +64,8 @@ from agents.processes import (
     read_log_tail,
     spawn,
 )
-from agents.protocol import (
-    DesiredShard,
-    DesiredShardState,
-    DesiredState,
-    FailureClass,
-    ShardState,
-    ShardStatus,
-    Status,
-    WeightsReport,
-)
+from agents.protocol.messages import DesiredShard, DesiredState, ShardStatus, Status, WeightsReport
+from agents.protocol.vocabulary import DesiredShardState, FailureClass, ShardState
 from agents.weights import WeightsJanitor, weights_users
 
 logger = logging.getLogger(__name__)

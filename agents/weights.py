@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from agents.engines import source_path, weights_overlap, weights_path
-from agents.protocol import DesiredShard, WeightsReport, WeightsState
+from agents.protocol.messages import DesiredShard, WeightsReport
+from agents.protocol.vocabulary import WeightsState
 
 logger = logging.getLogger(__name__)
 

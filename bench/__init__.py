@@ -14,6 +14,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The value at rank ``q`` (0 to 1) of ``values``; nan for none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of one process, from /proc (0 once it is gone)."""
     try:

@@ -19,11 +19,11 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import cpu_seconds, rss_mib
+from tests.harness.waits import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "var" / "bench-agent-servers"
@@ -74,7 +74,15 @@ def one_round(kind: str, nodes: int, steady: float, env: dict[str, str]) -> dict
             current = stats()
             return bool(current.get("served", 0) >= nodes and current.get("connected", 0) >= nodes)
 
-        wait(f"{kind}: {nodes} nodes served", all_served, 180.0, (server, fleet))
+        procs = (server, fleet)
+        wait_until(
+            all_served,
+            180.0,
+            f"{kind}: {nodes} nodes served",
+            interval=0.1,
+            logs=procs,
+            running=procs,
+        )
         storm_s = time.monotonic() - started
         storm_cpu = cpu_seconds(server.pid) - cpu_before
         cpu_before, began = cpu_seconds(server.pid), time.monotonic()
@@ -96,18 +104,6 @@ def one_round(kind: str, nodes: int, steady: float, env: dict[str, str]) -> dict
                 proc.stop()
 
 
-def wait(what: str, predicate: Callable[[], bool], timeout: float, procs: tuple[Any, ...]) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for proc in procs:
-            if not proc.running():
-                raise RuntimeError(f"{what}: {proc.name} exited:\n{proc.tail(30)}")
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {p.name}\n{p.tail(15)}" for p in procs)
-            raise TimeoutError(f"{what}: not within {timeout:g}s\n{tails}")
-        time.sleep(0.1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=500)
@@ -124,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     from bench import django_on
-    from bench.fleet import fresh_database
+    from bench.fleet.store import fresh_database
 
     fresh_database(args.database_url)
     env = django_on(args.database_url, WORK)

@@ -72,7 +72,8 @@ def record(pid: int, name: str, seconds: float, form: str = "raw") -> subprocess
 
 
 async def constant_rate(url: str, key: str, rate: int, seconds: float) -> int:
-    from bench.__main__ import CHAT, Target, one_request
+    from bench.load import CHAT, one_request
+    from bench.targets import Target
 
     body = json.dumps(CHAT).encode()
     target = Target("L2", url)
@@ -88,8 +89,8 @@ async def constant_rate(url: str, key: str, rate: int, seconds: float) -> int:
 
 
 async def paced_streams(url: str, key: str, count: int, seconds: float) -> int:
-    from bench.__main__ import CHAT
     from bench.held import held_stream
+    from bench.load import CHAT
 
     tokens = int(seconds * 1000 / 20)
     body = json.dumps({**CHAT, "max_tokens": tokens, "stream": True, "sim": {"itl_ms": 20}})
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=800, help="non-streamed requests a second")
     parser.add_argument("--streams", type=int, default=500, help="paced streams held at once")
     args = parser.parse_args()
-    from bench.__main__ import setup_engine_and_gateway
+    from bench.targets import setup_engine_and_gateway
 
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)

@@ -117,7 +117,7 @@ def measure() -> dict[str, Any]:
     from django.test import Client
 
     from gateway.edge import api
-    from gateway.identity import keys, people
+    from gateway.identity import allowances, keys
     from gateway.ledger import rollups
     from gateway.models import ApiKey, UserLimits
 
@@ -142,7 +142,7 @@ def measure() -> dict[str, Any]:
         assert account.get("/account/").status_code == 200
 
     def budget() -> None:
-        people.user_spend(UserLimits.objects.get(user=heavy))
+        allowances.user_spend(UserLimits.objects.get(user=heavy))
 
     return {
         "dashboard_json": timed(dashboard),

@@ -19,7 +19,7 @@ from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
-from agents.protocol import valid_weights_name
+from agents.protocol.names import valid_weights_name
 from control import node_certs, node_tokens, nudges, operations, profiles
 from control.models import (
     Event,

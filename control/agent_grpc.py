@@ -32,7 +32,9 @@ from django.conf import settings
 from django.db import DatabaseError
 
 from agents import grpc_wire
-from agents.protocol import MAX_MESSAGE_BYTES, CloseCode, ErrorMessage, ProtocolError, encode
+from agents.protocol.codec import encode
+from agents.protocol.messages import ErrorMessage
+from agents.protocol.vocabulary import MAX_MESSAGE_BYTES, CloseCode, ProtocolError
 from control import node_certs, node_tokens, nudges
 from control.agent_plumbing import in_credentials_thread
 from control.agent_sessions import AgentSession

@@ -21,7 +21,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from agents.protocol import GpuInfo, Hello, ShardStatus, WeightsReport
+from agents.protocol.messages import GpuInfo, Hello, ShardStatus, WeightsReport
 from control.models import Event, Gpu, Node, Replica, Shard
 from telemetry import metrics
 

@@ -30,18 +30,9 @@ from typing import Any, Final, Protocol
 from django.conf import settings
 from django.db import DatabaseError
 
-from agents.protocol import (
-    CloseCode,
-    ErrorMessage,
-    Heartbeat,
-    Hello,
-    ProtocolError,
-    ShardStatus,
-    Status,
-    Welcome,
-    decode_agent_message,
-    encode,
-)
+from agents.protocol.codec import decode_agent_message, encode
+from agents.protocol.messages import ErrorMessage, Heartbeat, Hello, ShardStatus, Status, Welcome
+from agents.protocol.vocabulary import CloseCode, ProtocolError
 from control import agent_reports, desired_state, health, node_tokens
 from control.agent_plumbing import (
     Coalescer,

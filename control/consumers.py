@@ -22,7 +22,9 @@ from channels.consumer import get_handler_name
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.db import DatabaseError
 
-from agents.protocol import NODE_HEADER, CloseCode, ErrorMessage, encode
+from agents.protocol.codec import encode
+from agents.protocol.messages import ErrorMessage
+from agents.protocol.vocabulary import NODE_HEADER, CloseCode
 from control import node_tokens, nudges
 from control.agent_plumbing import in_credentials_thread
 from control.agent_sessions import AgentSession

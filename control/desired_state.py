@@ -11,7 +11,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agents.protocol import DesiredShard, DesiredShardState, DesiredState, Engine
+from agents.protocol.messages import DesiredShard, DesiredState
+from agents.protocol.vocabulary import DesiredShardState, Engine
 from control import leases
 from control.models import Node, Replica, Shard
 

@@ -14,7 +14,7 @@ from typing import Final
 from django.db import transaction
 from django.utils import timezone
 
-from agents.protocol import TOKEN_PREFIX
+from agents.protocol.vocabulary import TOKEN_PREFIX
 from control import nudges
 from control.models import Event, Node
 from credentials.bearer import BearerSecret

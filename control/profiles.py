@@ -7,7 +7,8 @@ profile is refused at the admin instead of breaking every node stream that carri
 
 from __future__ import annotations
 
-from agents.protocol import DesiredShard, ProtocolError
+from agents.protocol.messages import DesiredShard
+from agents.protocol.vocabulary import ProtocolError
 
 
 def wire_problems(

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.urls import path, re_path
 
-from agents.protocol import STREAM_PATH
+from agents.protocol.vocabulary import STREAM_PATH
 from control.consumers import AgentConsumer, NodeTokenAuthMiddleware, reject_unknown_path
 
 

@@ -27,7 +27,7 @@ from django.db.models import Q
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
-from agents.protocol import address_problem
+from agents.protocol.names import address_problem
 from control import gateway_counts, leases
 from control.models import Event, Node, Profile, ProfileScale, Replica, ServedModel, Shard
 

@@ -30,7 +30,7 @@ from django.urls import URLPattern, path
 from django.utils import timezone
 
 from control import serving
-from gateway.identity import keys, people
+from gateway.identity import allowances, keys, people
 from gateway.ledger import reports
 from gateway.models import ApiKey, Endpoint, TeamLimits, UsageRecord, UserLimits
 
@@ -105,7 +105,7 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
 
     @admin.display(description="spent in period")
     def spend(self, obj: ApiKey) -> str:
-        view = people.key_view(obj)
+        view = allowances.key_view(obj)
         return _spend(view.spent, obj.token_budget, obj.budget_period)
 
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
@@ -222,7 +222,7 @@ class UserLimitsAdmin(admin.ModelAdmin[UserLimits]):
 
     @admin.display(description="spent in period")
     def spend(self, obj: UserLimits) -> str:
-        return _spend(people.user_spend(obj), obj.token_budget, obj.budget_period)
+        return _spend(allowances.user_spend(obj), obj.token_budget, obj.budget_period)
 
 
 @admin.register(TeamLimits)
@@ -258,7 +258,7 @@ class TeamLimitsAdmin(admin.ModelAdmin[TeamLimits]):
 
     @admin.display(description="spent in period")
     def spend(self, obj: TeamLimits) -> str:
-        return _spend(people.team_spend(obj), obj.token_budget, obj.budget_period)
+        return _spend(allowances.team_spend(obj), obj.token_budget, obj.budget_period)
 
 
 # --------------------------------------------------------------------------- users and teams

@@ -55,7 +55,7 @@ SAME_STOP_SECONDS = 2.0
 # client side closes first and never sends on a connection the server is closing.
 KEEP_ALIVE_SECONDS = 75
 # A WebSocket frame past this is refused by the server before the application buffers it
-# (1009); the agents' protocol itself allows 512 KiB (agents.protocol.MAX_MESSAGE_BYTES).
+# (1009); the agents' protocol itself allows 512 KiB (agents.protocol.vocabulary.MAX_MESSAGE_BYTES).
 WS_MAX_BYTES = 1024 * 1024
 ROLES = ("client", "admin", "metrics", "agent")
 

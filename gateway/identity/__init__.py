@@ -1,7 +1,8 @@
 """Identity: who is asking and what they may spend.
 
 API keys (``keys``: issued once, stored hashed, checked from an in-process cache), people and
-teams with their limits (``people``), the self-service ``/account/`` pages (``account``), the
-rate and token limits every request reserves against (``limits``) and budget counters put right
-from the ledger (``budgets``).
+teams with their limits (``people``), what each holder may use and has spent as the pages show
+it (``allowances``), the self-service ``/account/`` pages (``account``), the rate and token
+limits every request reserves against (``limits``) and budget counters put right from the
+ledger (``budgets``).
 """

@@ -22,7 +22,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from gateway.identity import keys, people
+from gateway.identity import allowances, keys
 from gateway.ledger import reports, rollups
 from gateway.models import ApiKey, UsageRecord
 
@@ -78,8 +78,8 @@ def overview(request: HttpRequest) -> HttpResponse:
         "requests": [d.requests for d in days],
     }
     context = {
-        "limits": people.views_for_user(request.user),  # type: ignore[arg-type]
-        "self_service": people.self_service_allowed(_user_id(request)),
+        "limits": allowances.views_for_user(request.user),  # type: ignore[arg-type]
+        "self_service": allowances.self_service_allowed(_user_id(request)),
         "keys": _own_keys(request).order_by("revoked_at", "-created_at"),
         "form": NewKeyForm(),
         "recent": own_usage.select_related("api_key").order_by("-started_at")[:RECENT_ROWS],
@@ -102,15 +102,15 @@ def create_key(request: HttpRequest) -> HttpResponse:
     if not form.is_valid():
         messages.error(request, "The key was not created: " + form.errors.as_text())
         return HttpResponseRedirect(reverse("account"))
-    if not people.self_service_allowed(_user_id(request)):
+    if not allowances.self_service_allowed(_user_id(request)):
         messages.error(request, "An administrator has turned off making keys for your account.")
         return HttpResponseRedirect(reverse("account"))
     if _own_keys(request).filter(revoked_at__isnull=True).count() >= MAX_ACTIVE_KEYS:
         messages.error(request, f"You have {MAX_ACTIVE_KEYS} active keys; revoke one first.")
         return HttpResponseRedirect(reverse("account"))
     data = form.cleaned_data
-    problems = people.narrowing_problems(
-        people.views_for_user(request.user),  # type: ignore[arg-type]
+    problems = allowances.narrowing_problems(
+        allowances.views_for_user(request.user),  # type: ignore[arg-type]
         models=data["models"],
         rpm=data.get("rpm_limit"),
         tpm=data.get("tpm_limit"),

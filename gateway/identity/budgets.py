@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from gateway.identity import limits, people
+from gateway.identity import allowances, limits
 from gateway.ledger import rollups
 from gateway.models import ApiKey, TeamLimits, UserLimits
 
@@ -42,7 +42,7 @@ def refresh(now: float | None = None) -> int:
     now = time.time() if now is None else now
     floors = []
     for scope, budget, period, whose in budget_holders():
-        spent = people.spent(whose, people.period_start(period, now))
+        spent = allowances.spent(whose, allowances.period_start(period, now))
         if spent > 0:
             floors.append(limits.budget_counter(scope, budget, period, spent, now))
     return limits.raise_counters(floors)

@@ -39,7 +39,9 @@ from websockets.sync.client import connect
 
 from agents import grpc_wire
 from agents.agent_pb2 import AgentFrame
-from agents.protocol import NODE_HEADER, CloseCode, Heartbeat, Hello, encode
+from agents.protocol.codec import encode
+from agents.protocol.messages import Heartbeat, Hello
+from agents.protocol.vocabulary import NODE_HEADER, CloseCode
 from control import health, node_certs, node_tokens, nudges
 from control.models import Event, Lease, Node, Profile, Replica, ServedModel, Shard
 from gateway.models import UsageRecord

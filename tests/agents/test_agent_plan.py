@@ -26,15 +26,8 @@ from agents.plan import (
     plan,
     refusal,
 )
-from agents.protocol import (
-    DesiredShard,
-    DesiredShardState,
-    DesiredState,
-    Engine,
-    ShardState,
-    WeightsReport,
-    WeightsState,
-)
+from agents.protocol.messages import DesiredShard, DesiredState, WeightsReport
+from agents.protocol.vocabulary import DesiredShardState, Engine, ShardState, WeightsState
 from agents.weights import judge, weights_users
 
 NODE = NodeFacts(port_range=(20000, 20009), gpus=frozenset({0, 1}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,10 +16,9 @@ from agents.engines import Launch, LaunchContext
 from agents.gpus import SimulatedGpus, parse_simulated
 from agents.plan import Want
 from agents.processes import Launcher, ProcessHandle, spawn
-from agents.protocol import (
-    DesiredShard,
+from agents.protocol.messages import DesiredShard, DesiredState
+from agents.protocol.vocabulary import (
     DesiredShardState,
-    DesiredState,
     Engine,
     FailureClass,
     ShardState,
@@ -30,10 +29,6 @@ from tests.harness.procs import alive, free_port
 from tests.harness.waits import await_until
 
 pytestmark = pytest.mark.timeout(300)
-
-
-async def until(predicate: Callable[[], bool], what: str = "") -> None:
-    await await_until(predicate, what=what or "the supervisor")
 
 
 GPUS = 6  # shard N runs on GPU N-1: the agent refuses two shards on one GPU
@@ -91,7 +86,7 @@ async def served_once_more(sup: Supervisor, shard_id: int = 1) -> None:
     whatever the test just did (the positive signal before asserting that nothing changed)."""
     rt = sup.shards[shard_id]
     rt.requests_running = rt.requests_waiting = -1  # what no engine reports
-    await until(lambda: rt.requests_running != -1, what=f"shard {shard_id} polled again")
+    await await_until(lambda: rt.requests_running != -1, what=f"shard {shard_id} polled again")
 
 
 def state_of(sup: Supervisor, shard_id: int = 1) -> ShardState | None:
@@ -104,13 +99,13 @@ async def test_a_shard_starts_becomes_ready_and_answers_chat_completions(
 ) -> None:
     shard = sim_shard()
     assert supervisor.apply(desired(shard))
-    await until(lambda: state_of(supervisor) is ShardState.READY, what="ready")
+    await await_until(lambda: state_of(supervisor) is ShardState.READY, what="ready")
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{shard.port}/v1", api_key="unused")
     answer = await client.chat.completions.create(
         model="tiny-1", messages=[{"role": "user", "content": "hello there"}], max_tokens=3
     )
     assert answer.choices[0].message.content == "tok1 tok2 tok3"
-    await until(lambda: supervisor.shards[1].requests_running == 0, what="load read")
+    await await_until(lambda: supervisor.shards[1].requests_running == 0, what="load read")
     report = supervisor.status().shards[0]
     assert report.state is ShardState.READY and report.pid is not None and alive(report.pid)
     assert report.port == shard.port
@@ -122,7 +117,7 @@ async def test_a_shard_starts_becomes_ready_and_answers_chat_completions(
 async def test_the_same_snapshot_twice_has_one_effect(supervisor: Supervisor) -> None:
     shard = sim_shard()
     supervisor.apply(desired(shard))
-    await until(lambda: state_of(supervisor) is ShardState.READY)
+    await await_until(lambda: state_of(supervisor) is ShardState.READY, what="shard 1 ready")
     running = supervisor.shards[1]
     pid = running.handle.pid  # type: ignore[union-attr]
     for revision in (1, 1, 2):  # re-sent, and a new revision that changes nothing here
@@ -140,7 +135,7 @@ async def test_a_lower_epoch_is_rejected_counted_and_changes_nothing(
 ) -> None:
     shard = sim_shard()
     supervisor.apply(desired(shard, epoch=5, revision=10))
-    await until(lambda: state_of(supervisor) is ShardState.READY)
+    await await_until(lambda: state_of(supervisor) is ShardState.READY, what="shard 1 ready")
     running = supervisor.shards[1]
     assert not supervisor.apply(desired(epoch=4, revision=11))  # would stop the shard
     assert supervisor.shards[1] is running and running.want is Want.RUN
@@ -150,16 +145,19 @@ async def test_a_lower_epoch_is_rejected_counted_and_changes_nothing(
     assert (status.stale_rejected, status.observed_epoch, status.observed_revision) == (1, 5, 10)
     assert supervisor.apply(desired(shard, epoch=5, revision=12))  # the same epoch is fine
     assert supervisor.apply(desired(epoch=6, revision=13))  # a newer leader stops it
-    await until(lambda: 1 not in supervisor.shards, what="shard stopped and forgotten")
+    await await_until(lambda: 1 not in supervisor.shards, what="shard stopped and forgotten")
 
 
 async def test_a_shard_left_out_of_the_desired_state_is_stopped(supervisor: Supervisor) -> None:
     keep, drop = sim_shard(1), sim_shard(2)
     supervisor.apply(desired(keep, drop))
-    await until(lambda: state_of(supervisor, 1) is state_of(supervisor, 2) is ShardState.READY)
+    await await_until(
+        lambda: state_of(supervisor, 1) is state_of(supervisor, 2) is ShardState.READY,
+        what="shards 1 and 2 ready",
+    )
     pid = supervisor.shards[2].handle.pid  # type: ignore[union-attr]
     supervisor.apply(desired(keep, revision=2))
-    await until(lambda: 2 not in supervisor.shards, what="shard 2 gone")
+    await await_until(lambda: 2 not in supervisor.shards, what="shard 2 gone")
     assert not alive(pid)
     assert state_of(supervisor, 1) is ShardState.READY
     assert [s.shard_id for s in supervisor.status().shards] == [1]
@@ -173,7 +171,7 @@ async def test_drain_lets_in_flight_requests_finish_and_weights_in_use_are_not_r
     (weights / "model.safetensors").write_bytes(b"\0" * 1024)
     shard = sim_shard(args=("--itl-ms", "40"))
     supervisor.apply(desired(shard))
-    await until(lambda: state_of(supervisor) is ShardState.READY)
+    await await_until(lambda: state_of(supervisor) is ShardState.READY, what="shard 1 ready")
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{shard.port}/v1", api_key="unused")
     stream = await client.chat.completions.create(
         model="tiny-1", messages=[{"role": "user", "content": "go"}], max_tokens=40, stream=True
@@ -184,8 +182,8 @@ async def test_drain_lets_in_flight_requests_finish_and_weights_in_use_are_not_r
 
     draining = replace(shard, state=DesiredShardState.DRAINING)
     supervisor.apply(desired(draining, revision=2, remove_weights=("models/tiny",)))
-    await until(lambda: state_of(supervisor) is ShardState.DRAINING, what="draining")
-    await until(lambda: "models/tiny" in supervisor.weights, what="weights report")
+    await await_until(lambda: state_of(supervisor) is ShardState.DRAINING, what="draining")
+    await await_until(lambda: "models/tiny" in supervisor.weights, what="weights report")
     report = supervisor.weights["models/tiny"]
     assert report.state is WeightsState.REFUSED
     assert "in use by shard(s) 1" in report.message
@@ -198,11 +196,13 @@ async def test_drain_lets_in_flight_requests_finish_and_weights_in_use_are_not_r
             finish = chunk.choices[0].finish_reason or finish
     assert "".join(text).split()[-1] == "tok40"  # every token of the in-flight request
     assert finish == "length"
-    await until(lambda: state_of(supervisor) is ShardState.STOPPED, what="stopped after drain")
+    await await_until(
+        lambda: state_of(supervisor) is ShardState.STOPPED, what="stopped after drain"
+    )
     # Once nothing uses them, the next convergence removes the weights.
-    await until(lambda: not weights.exists(), what="weights removed")
+    await await_until(lambda: not weights.exists(), what="weights removed")
     # The files go first, then the report says so.
-    await until(
+    await await_until(
         lambda: supervisor.weights["models/tiny"].state is WeightsState.REMOVED,
         what="the removal reported",
     )
@@ -215,7 +215,7 @@ async def test_failures_are_reported_with_their_class_and_log(supervisor: Superv
     outside = sim_shard(4, port=80)
     no_gpu = sim_shard(5, gpu_indices=(7,))
     supervisor.apply(desired(bad_args, crashes, never_ready, outside, no_gpu))
-    await until(lambda: state_of(supervisor, 2) is ShardState.READY)
+    await await_until(lambda: state_of(supervisor, 2) is ShardState.READY, what="shard 2 ready")
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{crashes.port}/v1", api_key="x", max_retries=0)
     await client.chat.completions.create(
         model="tiny-2", messages=[{"role": "user", "content": "a"}]
@@ -224,7 +224,7 @@ async def test_failures_are_reported_with_their_class_and_log(supervisor: Superv
         await client.chat.completions.create(
             model="tiny-2", messages=[{"role": "user", "content": "b"}]
         )
-    await until(
+    await await_until(
         lambda: all(state_of(supervisor, i) is ShardState.FAILED for i in range(1, 6)),
         what="all five failed",
     )
@@ -248,7 +248,7 @@ async def test_failures_are_reported_with_their_class_and_log(supervisor: Superv
     assert supervisor.shards[2] is failed and failed.state is ShardState.FAILED
     assert supervisor.starts == 3
     supervisor.apply(desired(bad_args, replace(crashes, generation=2), revision=3))
-    await until(lambda: state_of(supervisor, 2) is ShardState.READY, what="restarted")
+    await await_until(lambda: state_of(supervisor, 2) is ShardState.READY, what="restarted")
     assert supervisor.starts == 4
 
 
@@ -260,7 +260,7 @@ async def test_stop_escalates_to_sigkill_when_the_engine_outlives_the_grace(
         # The engine waits up to 30s for in-flight requests on SIGTERM; the agent will not.
         shard = sim_shard(args=("--itl-ms", "200", "--shutdown-grace", "30"))
         sup.apply(desired(shard))
-        await until(lambda: state_of(sup) is ShardState.READY)
+        await await_until(lambda: state_of(sup) is ShardState.READY, what="shard 1 ready")
         client = AsyncOpenAI(base_url=f"http://127.0.0.1:{shard.port}/v1", api_key="x")
         stream = await client.chat.completions.create(
             model="tiny-1",
@@ -270,7 +270,7 @@ async def test_stop_escalates_to_sigkill_when_the_engine_outlives_the_grace(
         )
         await anext(aiter(stream))
         sup.apply(desired(replace(shard, state=DesiredShardState.STOPPED), revision=2))
-        await until(lambda: state_of(sup) is ShardState.STOPPED, what="stopped")
+        await await_until(lambda: state_of(sup) is ShardState.STOPPED, what="stopped")
         assert sup.shards[1].exit_code == -9  # killed after the grace, not waited for
         await stream.close()
     finally:
@@ -281,7 +281,7 @@ async def test_shards_left_running_are_adopted_by_the_next_agent(tmp_path: Path)
     first = make_supervisor(tmp_path)
     shard = sim_shard()
     first.apply(desired(shard, epoch=7))
-    await until(lambda: state_of(first) is ShardState.READY)
+    await await_until(lambda: state_of(first) is ShardState.READY, what="shard 1 ready")
     pid = first.shards[1].handle.pid  # type: ignore[union-attr]
     await first.shutdown(leave_running=True)
     assert alive(pid)
@@ -290,7 +290,7 @@ async def test_shards_left_running_are_adopted_by_the_next_agent(tmp_path: Path)
     try:
         second.recover()
         assert second.highest_epoch == 7  # a stale leader is still refused after a restart
-        await until(lambda: state_of(second) is ShardState.READY, what="adopted and ready")
+        await await_until(lambda: state_of(second) is ShardState.READY, what="adopted and ready")
         adopted = second.shards[1]
         assert adopted.handle is not None and adopted.handle.pid == pid
         second.apply(desired(shard, epoch=7))
@@ -301,7 +301,7 @@ async def test_shards_left_running_are_adopted_by_the_next_agent(tmp_path: Path)
         assert not second.apply(desired(epoch=6))
     finally:
         await second.shutdown(leave_running=False)
-    await until(lambda: not alive(pid), what="adopted shard stopped")
+    await await_until(lambda: not alive(pid), what="adopted shard stopped")
 
 
 async def test_a_shard_on_the_gpu_of_an_adopted_one_no_longer_wanted_waits_for_its_end(
@@ -313,7 +313,7 @@ async def test_a_shard_on_the_gpu_of_an_adopted_one_no_longer_wanted_waits_for_i
     first = make_supervisor(tmp_path)
     old = sim_shard(1)
     first.apply(desired(old, epoch=3))
-    await until(lambda: state_of(first) is ShardState.READY)
+    await await_until(lambda: state_of(first) is ShardState.READY, what="shard 1 ready")
     old_pid = first.shards[1].handle.pid  # type: ignore[union-attr]
     await first.shutdown(leave_running=True)
 
@@ -333,7 +333,7 @@ async def test_a_shard_on_the_gpu_of_an_adopted_one_no_longer_wanted_waits_for_i
         waiting = second.status().shards[1]
         assert waiting.state is ShardState.PENDING and waiting.pid is None
         assert waiting.message == ("waiting for stopping shards to free GPU(s) [0] (shard(s) [1])")
-        await until(lambda: state_of(second, 2) is ShardState.READY, what="new shard ready")
+        await await_until(lambda: state_of(second, 2) is ShardState.READY, what="new shard ready")
         assert alive_at_launch == {2: False}
         assert not alive(old_pid)
         assert [s.shard_id for s in second.status().shards] == [2]
@@ -344,15 +344,15 @@ async def test_a_shard_on_the_gpu_of_an_adopted_one_no_longer_wanted_waits_for_i
 async def test_an_adopted_shard_that_dies_is_reported_failed(tmp_path: Path) -> None:
     first = make_supervisor(tmp_path)
     first.apply(desired(sim_shard()))
-    await until(lambda: state_of(first) is ShardState.READY)
+    await await_until(lambda: state_of(first) is ShardState.READY, what="shard 1 ready")
     pid = first.shards[1].handle.pid  # type: ignore[union-attr]
     await first.shutdown(leave_running=True)
     second = make_supervisor(tmp_path)
     try:
         second.recover()
-        await until(lambda: state_of(second) is ShardState.READY)
+        await await_until(lambda: state_of(second) is ShardState.READY, what="shard 1 ready")
         os.kill(pid, 9)
-        await until(lambda: state_of(second) is ShardState.FAILED, what="failure noticed")
+        await await_until(lambda: state_of(second) is ShardState.FAILED, what="failure noticed")
         assert second.shards[1].exit_code is None  # not our child: the code is unknowable
         assert "started by a previous agent" in second.shards[1].message
     finally:
@@ -366,7 +366,7 @@ async def test_weights_are_removed_when_unused_and_absent_ones_are_reported(
     old.mkdir(parents=True)
     (old / "w.bin").write_bytes(b"x")
     supervisor.apply(desired(remove_weights=("org/old", "org/never-here")))
-    await until(lambda: len(supervisor.weights) == 2, what="weights reports")
+    await await_until(lambda: len(supervisor.weights) == 2, what="weights reports")
     assert not old.exists()
     assert supervisor.weights["org/old"].state is WeightsState.REMOVED
     assert supervisor.weights["org/never-here"].state is WeightsState.ABSENT

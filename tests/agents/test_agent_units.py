@@ -30,16 +30,9 @@ from agents.engines import (
 from agents.gpus import parse_simulated
 from agents.links import GRPC, WEBSOCKET, GrpcLink, LinkClosed, parse_target
 from agents.plan import fingerprint
-from agents.protocol import (
-    CloseCode,
-    DesiredShard,
-    DesiredShardState,
-    Engine,
-    ErrorMessage,
-    FailureClass,
-    Heartbeat,
-    encode,
-)
+from agents.protocol.codec import encode
+from agents.protocol.messages import DesiredShard, ErrorMessage, Heartbeat
+from agents.protocol.vocabulary import CloseCode, DesiredShardState, Engine, FailureClass
 from tests.harness.procs import connections_to
 from tests.harness.waits import await_until
 

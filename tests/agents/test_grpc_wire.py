@@ -1,6 +1,7 @@
-"""The gRPC schema (agents/agent.proto) carries agents/protocol.py field for field: the same
-names, the same kinds, the same optional fields, and every message survives the trip through a
-frame unchanged, with validation still done by the one decoder."""
+"""The gRPC schema (agents/agent.proto) carries the protocol's messages
+(agents/protocol/messages.py) field for field: the same names, the same kinds, the same optional
+fields, and every message survives the trip through a frame unchanged, with validation still
+done by the one decoder."""
 
 from __future__ import annotations
 
@@ -16,31 +17,36 @@ from typing import Any
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from agents import agent_pb2, grpc_wire, protocol
-from agents.protocol import (
-    CloseCode,
+from agents import agent_pb2, grpc_wire
+from agents.protocol import codec
+from agents.protocol.codec import decode_agent_message, decode_server_message, encode
+from agents.protocol.messages import (
+    DesiredShard,
+    DesiredState,
     ErrorMessage,
+    GpuInfo,
     Heartbeat,
-    ProtocolError,
+    Hello,
+    ShardStatus,
+    Status,
+    WeightsReport,
     Welcome,
-    decode_agent_message,
-    decode_server_message,
-    encode,
 )
+from agents.protocol.vocabulary import CloseCode, ProtocolError
 from tests.agents.test_protocol import DESIRED, DESIRED_SHARD, HELLO, STATUS
 
 # The dataclass of each message and the schema's message of the same name.
 MESSAGES = [
-    protocol.GpuInfo,
-    protocol.Hello,
-    protocol.ShardStatus,
-    protocol.WeightsReport,
-    protocol.Status,
-    protocol.Heartbeat,
-    protocol.Welcome,
-    protocol.DesiredShard,
-    protocol.DesiredState,
-    protocol.ErrorMessage,
+    GpuInfo,
+    Hello,
+    ShardStatus,
+    WeightsReport,
+    Status,
+    Heartbeat,
+    Welcome,
+    DesiredShard,
+    DesiredState,
+    ErrorMessage,
 ]
 # Not a field of the message on either wire: the envelope's ``v`` carries it.
 ENVELOPE_ONLY = {("Hello", "protocol_version")}
@@ -116,8 +122,8 @@ def test_the_schema_has_every_field_of_the_protocol_and_nothing_else(cls: type) 
 def test_the_envelopes_carry_each_sides_message_types_under_their_protocol_names() -> None:
     agent = {f.name for f in agent_pb2.AgentFrame.DESCRIPTOR.oneofs_by_name["body"].fields}
     server = {f.name for f in agent_pb2.ServerFrame.DESCRIPTOR.oneofs_by_name["body"].fields}
-    assert agent == set(protocol._AGENT_TYPES)
-    assert server == set(protocol._SERVER_TYPES)
+    assert agent == set(codec._AGENT_TYPES)
+    assert server == set(codec._SERVER_TYPES)
 
 
 @pytest.mark.parametrize(

@@ -12,30 +12,30 @@ from typing import Any
 
 import pytest
 
-from agents.protocol import (
-    MAX_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
-    CloseCode,
+from agents.protocol.codec import decode_agent_message, decode_server_message, encode
+from agents.protocol.messages import (
     DesiredShard,
-    DesiredShardState,
     DesiredState,
-    Engine,
     ErrorMessage,
-    FailureClass,
     GpuInfo,
     Heartbeat,
     Hello,
-    ProtocolError,
-    ShardState,
     ShardStatus,
     Status,
     WeightsReport,
-    WeightsState,
     Welcome,
-    decode_agent_message,
-    decode_server_message,
-    encode,
-    valid_weights_name,
+)
+from agents.protocol.names import valid_weights_name
+from agents.protocol.vocabulary import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    CloseCode,
+    DesiredShardState,
+    Engine,
+    FailureClass,
+    ProtocolError,
+    ShardState,
+    WeightsState,
 )
 from tests.harness.procs import REPO_ROOT
 

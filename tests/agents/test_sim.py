@@ -98,11 +98,6 @@ async def metrics(http_client: httpx.AsyncClient) -> dict[str, float]:
     return totals
 
 
-async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
-    """Poll ``check`` until it holds, or fail at the (generous) deadline."""
-    await await_until(check, what=getattr(check, "__name__", "the condition"), interval=0.01)
-
-
 async def raw_exchange(port: int, data: bytes, timeout: float = 60.0) -> bytes:
     """Send bytes on a fresh connection and read until the server closes it."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -447,7 +442,7 @@ async def test_requests_past_max_concurrency_wait_and_show_as_waiting(
             seen = await metrics(c)
             return seen["vllm:num_requests_running"] == 1 and seen["vllm:num_requests_waiting"] == 2
 
-        await eventually(queued)
+        await await_until(queued, interval=0.01)
         responses = await asyncio.gather(*calls)
         elapsed = time.monotonic() - started
         assert [r.status_code for r in responses] == [200, 200, 200]
@@ -469,7 +464,7 @@ async def test_health_answers_503_until_the_startup_delay_has_passed(start_sim: 
         async def healthy() -> bool:
             return (await c.get("/health")).status_code == 200
 
-        await eventually(healthy)
+        await await_until(healthy, interval=0.01)
         ready = await c.get("/health")
         served = await c.post("/v1/chat/completions", json=chat_body())
     assert ready.content == b""
@@ -519,7 +514,7 @@ async def test_hang_before_first_byte_sends_nothing_until_the_client_gives_up(
     async def given_up() -> bool:
         return sim.stats.cancelled == 1 and sim.running == 0
 
-    await eventually(given_up)
+    await await_until(given_up, interval=0.01)
 
 
 async def test_hang_rate_hangs_requests_from_the_command_line(start_sim: Starter) -> None:
@@ -609,7 +604,7 @@ async def test_client_disconnect_cancels_the_generation_and_leaks_no_task(
                 seen["sim:request_cancelled_total"] == 1 and seen["vllm:num_requests_running"] == 0
             )
 
-        await eventually(cancelled)
+        await await_until(cancelled, interval=0.01)
         assert (await metrics(c))["vllm:request_success_total"] == 0
     generating = [t for t in asyncio.all_tasks() if "_generate" in repr(t.get_coro())]
     assert generating == []
@@ -786,7 +781,7 @@ async def test_process_serves_the_openai_client_and_exits_0_on_sigterm_after_fin
             async def running() -> bool:
                 return (await metrics(http_client))["vllm:num_requests_running"] == 1
 
-            await eventually(running)
+            await await_until(running, interval=0.01)
             sim.signal(signal.SIGTERM)
             finished = await in_flight
         assert finished.status_code == 200

@@ -1,5 +1,5 @@
 """The control plane at fleet scale, scaled down (N21, C10): ``make bench-fleet``'s run
-(bench/fleet.py) with 100 simulated nodes (``python -m agents.fleet``) and 50 models, against
+(bench/fleet/) with 100 simulated nodes (``python -m agents.fleet``) and 50 models, against
 the test database on PostgreSQL and a private Redis, two web processes and one worker. It
 asserts what must hold whatever the machine's speed: no GPU or port given twice (the cluster
 tests' store checker, and the fleet's own check of its live engines), every node connected and
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from bench import fleet
+from bench.fleet.phases import run
+from bench.fleet.rig import Options
 from tests.harness.store import database_url_for_children
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -32,7 +33,7 @@ def postgres_only() -> None:
 def test_a_hundred_nodes_are_placed_without_double_allocation_and_come_back_after_a_kill(
     tmp_path: Path, postgres_only: None
 ) -> None:
-    options = fleet.Options(
+    options = Options(
         nodes=100,
         gpus_per_node=8,
         models=50,
@@ -45,7 +46,7 @@ def test_a_hundred_nodes_are_placed_without_double_allocation_and_come_back_afte
         work=tmp_path,
         settings={"LLMGW_DB_POOL_MAX": str(POOL_MAX)},
     )
-    report = fleet.run(options, say=lambda text: None)
+    report = run(options, say=lambda text: None)
 
     invariants = report["invariants"]
     assert invariants["store_checks"] > 0

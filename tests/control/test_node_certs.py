@@ -92,7 +92,7 @@ def test_issuing_without_a_ca_says_what_to_run(tmp_path: Path, settings: Any) ->
 
 
 def test_every_close_code_has_a_grpc_status_of_its_own_meaning() -> None:
-    from agents.protocol import CloseCode
+    from agents.protocol.vocabulary import CloseCode
     from control.agent_grpc import grpc_status
 
     unknown = [code for code in CloseCode if grpc_status(code).name == "UNKNOWN"]

@@ -24,23 +24,17 @@ from django.core.management import call_command
 from django.db import OperationalError, transaction
 from django.utils import timezone
 
-from agents.protocol import (
+from agents.protocol.codec import decode_server_message, encode
+from agents.protocol.messages import GpuInfo, Heartbeat, Hello, ShardStatus, Status, WeightsReport
+from agents.protocol.vocabulary import (
     MAX_MESSAGE_BYTES,
     NODE_HEADER,
     PROTOCOL_VERSION,
     CloseCode,
     DesiredShardState,
     FailureClass,
-    GpuInfo,
-    Heartbeat,
-    Hello,
     ShardState,
-    ShardStatus,
-    Status,
-    WeightsReport,
     WeightsState,
-    decode_server_message,
-    encode,
 )
 from control import agent_reports, desired_state, health, node_tokens, nudges
 from control.agent_plumbing import HeartbeatWriter, NodeRowReader, read_node_rows

@@ -185,28 +185,23 @@ class Proc:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log().splitlines()[-lines:])
 
-    def _alive_or_fail(self) -> None:
-        if not self.running():
-            code = self.popen.returncode if self.popen else None
-            raise AssertionError(f"{self.name} exited ({code}):\n{self.tail()}")
-
     def wait_listening(self, timeout: float = 60.0) -> Proc:
         """Until its port accepts connections; fail with its log if it exits first."""
         port = self.port
         assert port, f"{self.name} serves no port"
-
-        def listening() -> bool:
-            self._alive_or_fail()
-            return port_open(port)
-
-        wait_until(listening, timeout, f"{self.name} listening on {port}", logs=[self])
+        wait_until(
+            lambda: port_open(port),
+            timeout,
+            f"{self.name} listening on {port}",
+            logs=[self],
+            running=[self],
+        )
         return self
 
     def wait_answering(self, path: str = "/v1/models", timeout: float = 60.0) -> Proc:
         """Until it answers HTTP on ``path`` (any status): the application is loaded."""
 
         def answers() -> bool:
-            self._alive_or_fail()
             try:
                 with urllib.request.urlopen(self.url + path, timeout=5):
                     return True
@@ -215,7 +210,7 @@ class Proc:
             except OSError:
                 return False
 
-        wait_until(answers, timeout, f"{self.name} answering {path}", logs=[self])
+        wait_until(answers, timeout, f"{self.name} answering {path}", logs=[self], running=[self])
         return self
 
 

@@ -18,7 +18,7 @@ from django.test import Client
 
 from control import node_certs, node_tokens
 from control.models import Event, Node, Profile, Replica, ServedModel
-from gateway.identity import keys, people
+from gateway.identity import allowances, keys
 from gateway.models import ApiKey, TeamLimits, UserLimits
 from llmgw_site.admin_api import tokens
 from llmgw_site.admin_api.models import AdminToken
@@ -506,7 +506,7 @@ def test_user_limits_read_set_and_clear_bind_the_users_keys(api: Api) -> None:
     # A partial change keeps the rest; null lifts one limit.
     status, body = api.call("PATCH", "/users/alice/limits", {"rpm_limit": None})
     assert status == 200 and body["rpm_limit"] is None and body["token_budget"] == 5000
-    assert not people.self_service_allowed(key.user_id)
+    assert not allowances.self_service_allowed(key.user_id)
     assert Event.objects.filter(subject="user/alice").latest("id").message == (
         "limits changed by token:tests: rpm_limit 30 → none"
     )
@@ -520,7 +520,7 @@ def test_user_limits_read_set_and_clear_bind_the_users_keys(api: Api) -> None:
 
     assert api.call("DELETE", "/users/alice/limits")[1] == {"changed": True}
     assert api.call("DELETE", "/users/alice/limits")[1] == {"changed": False}
-    assert not UserLimits.objects.exists() and people.self_service_allowed(key.user_id)
+    assert not UserLimits.objects.exists() and allowances.self_service_allowed(key.user_id)
     assert Event.objects.filter(subject="user/alice").latest("id").message == (
         "limits removed by token:tests"
     )

@@ -24,7 +24,9 @@ from websockets.sync.client import connect
 
 from agents import grpc_wire
 from agents.agent_pb2 import AgentFrame
-from agents.protocol import NODE_HEADER, STREAM_PATH, Hello, encode
+from agents.protocol.codec import encode
+from agents.protocol.messages import Hello
+from agents.protocol.vocabulary import NODE_HEADER, STREAM_PATH
 from tests.harness.procs import (
     REPO_ROOT,
     Proc,

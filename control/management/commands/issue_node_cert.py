@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from agents.protocol import valid_node_name
+from agents.protocol.names import valid_node_name
 from control import node_certs
 
 

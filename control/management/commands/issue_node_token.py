@@ -12,7 +12,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from agents.protocol import valid_node_name
+from agents.protocol.names import valid_node_name
 from control import node_tokens
 
 

@@ -16,6 +16,7 @@ from ninja import Field, Router, Schema, Status
 from ninja.pagination import paginate
 from pydantic import field_validator
 
+from gateway.identity import allowances
 from gateway.identity import people as gateway_people
 from gateway.models import ApiKey, TeamLimits, UserLimits
 from llmgw_site.admin_api.auth import actor_of
@@ -225,7 +226,7 @@ def _limits_out(
         "token_budget": row.token_budget if row is not None else None,
         "budget_period": period,
         "spent": spent_by(row) if row is not None else 0,
-        "period_start": gateway_people.period_start(period),
+        "period_start": allowances.period_start(period),
         "self_service": row.self_service if isinstance(row, UserLimits) else True,
     }
 
@@ -259,7 +260,7 @@ def _set_limits(
 def get_user_limits(request: HttpRequest, username: str) -> Any:
     """The user's own limits over all their keys, and whether they may make keys."""
     row = UserLimits.objects.filter(user_id=_user_pk(username)).first()
-    return _limits_out(row, gateway_people.user_spend)
+    return _limits_out(row, allowances.user_spend)
 
 
 @router.patch("/users/{username}/limits", response=UserLimitsOut)
@@ -267,7 +268,7 @@ def update_user_limits(request: HttpRequest, username: str, payload: UserLimitsP
     """Change the given limits; keys take the change up within the key cache's TTL."""
     changes = _limits_changes(payload)
     row = _set_limits(request, gateway_people.set_user_limits, _user_pk(username), changes)
-    return _limits_out(row, gateway_people.user_spend)
+    return _limits_out(row, allowances.user_spend)
 
 
 @router.delete("/users/{username}/limits", response=Changed)
@@ -282,7 +283,7 @@ def clear_user_limits(request: HttpRequest, username: str) -> Any:
 def get_team_limits(request: HttpRequest, name: str) -> Any:
     """The team's limits over all its members' keys."""
     row = TeamLimits.objects.filter(team_id=_team_pk(name)).first()
-    return _limits_out(row, gateway_people.team_spend)
+    return _limits_out(row, allowances.team_spend)
 
 
 @router.patch("/teams/{name}/limits", response=LimitsOut)
@@ -291,7 +292,7 @@ def update_team_limits(request: HttpRequest, name: str, payload: LimitsPatch) ->
     row = _set_limits(
         request, gateway_people.set_team_limits, _team_pk(name), _limits_changes(payload)
     )
-    return _limits_out(row, gateway_people.team_spend)
+    return _limits_out(row, allowances.team_spend)
 
 
 @router.delete("/teams/{name}/limits", response=Changed)

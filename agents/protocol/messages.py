@@ -1,279 +1,37 @@
-"""The agent protocol: every message an agent and the control plane exchange, defined once.
+"""Every message of the agent protocol, each a frozen dataclass that turns itself into the
+fields of a frame (``to_dict``) and is read back from them with every field checked
+(``from_fields``).
 
-Both sides import this module (the agent has no Django; the control plane's session logic and
-its transports do), so a field cannot mean one thing on one side and another on the other.
-
-Wire format: one JSON object per WebSocket text frame, ``{"type": ..., "v": 1, ...fields}``;
-over gRPC, the same fields in the frames of ``agents/agent.proto`` (:mod:`agents.grpc_wire`
-turns one into the other, and a test proves the schema equal to this module field for field).
-``v`` is the protocol version on every message; a peer speaking another version is refused
-with :attr:`CloseCode.PROTOCOL_VERSION` before anything else is read. Within a version,
-fields may be added (a reader ignores fields it does not know) but never removed or re-typed.
-
-Agent → control plane: :class:`Hello` (once, first), :class:`Status` (on every change, and as
-a periodic full report), :class:`Heartbeat` (in between).
-Control plane → agent: :class:`Welcome` (the answer to hello), :class:`DesiredState` (the
-node's *full* desired state, never a delta), :class:`ErrorMessage` (before a close).
-
-Decoding validates every field and raises :class:`ProtocolError` with a message that names
-the field (``shards[2].port must be an integer from 1 to 65535``) and the close code the
-transport should use; it never raises anything else for any input.
+Agent → control plane: :class:`Hello`, :class:`Status` (with :class:`ShardStatus`,
+:class:`GpuInfo` and :class:`WeightsReport`), :class:`Heartbeat`. Control plane → agent:
+:class:`Welcome`, :class:`DesiredState` (with :class:`DesiredShard`). Both:
+:class:`ErrorMessage`.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
-from typing import Any, Final, TypeVar
+from typing import Any
 
-PROTOCOL_VERSION: Final = 1
-# The largest message either side accepts. A full desired state for a node with dozens of
-# shards is a few tens of KiB; the web server's own frame limit (1 MiB) bounds memory first.
-MAX_MESSAGE_BYTES: Final = 512 * 1024
-# Where the control plane serves agent streams, and the header an agent names itself with
-# (checked against its token at the handshake, so a node cannot claim another's name).
-STREAM_PATH: Final = "/agents/stream"
-NODE_HEADER: Final = "X-Llmgw-Node"
-TOKEN_PREFIX: Final = "llmgw_node_"  # noqa: S105 - the visible prefix, not a secret
+from agents.protocol.fields import Fields
+from agents.protocol.names import address_problem, valid_node_name, valid_weights_name
+from agents.protocol.vocabulary import (
+    LOG_LINE_MAX_CHARS,
+    LOG_TAIL_MAX_LINES,
+    MAX_EPOCH,
+    PROTOCOL_VERSION,
+    CloseCode,
+    DesiredShardState,
+    Engine,
+    FailureClass,
+    ProtocolError,
+    ShardState,
+    WeightsState,
+)
 
-# Leader epochs rise by one per change of leader; no real cluster comes near this.
-MAX_EPOCH: Final = 2**53
-LOG_TAIL_MAX_LINES: Final = 50
-LOG_LINE_MAX_CHARS: Final = 1000
-
-
-class CloseCode(IntEnum):
-    """WebSocket close codes; 4xxx mirror the HTTP status a human would expect.
-
-    Applications may only send 1000 and 3000-4999 (RFC 6455 7.4.2; Daphne's WebSocket
-    library enforces it), so even "too big" and "binary" get 4xxx codes here. 1009 is still
-    what a peer sees when a frame exceeds the *transport's* own limit.
-    """
-
-    NORMAL = 1000
-    GOING_AWAY = 1001
-    SERVICE_RESTART = 1012  # the control plane's process is stopping: reconnect now, elsewhere
-    MALFORMED = 4400
-    UNAUTHORIZED = 4401  # token missing, wrong or revoked
-    FORBIDDEN = 4403  # the hello names another node than the token's
-    HELLO_TIMEOUT = 4408
-    REPLACED = 4409  # a newer connection of the same node took over
-    TOO_BIG = 4413
-    RATE_LIMITED = 4429  # more messages than the control plane accepts from one stream
-    UNSUPPORTED_DATA = 4415  # a binary frame: the protocol is JSON text only
-    PROTOCOL_VERSION = 4426
-    STORE_UNAVAILABLE = 4503  # the control plane cannot serve now (store down); retry later
-
-
-class ProtocolError(Exception):
-    """A message that cannot be accepted, with the close code that says why."""
-
-    def __init__(self, code: CloseCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class ShardState(StrEnum):
-    """A shard's observed lifecycle (the same words as ``control.models.Replica.Observed``)."""
-
-    PENDING = "pending"
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-class DesiredShardState(StrEnum):
-    RUNNING = "running"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-class FailureClass(StrEnum):
-    """Why a shard failed (the same values as ``control.models.FailureClass``)."""
-
-    NONE = ""
-    OOM = "oom"
-    BAD_ARGS = "bad_args"
-    DOWNLOAD = "download"
-    CRASH = "crash"
-    HEALTH_TIMEOUT = "health_timeout"
-
-
-class Engine(StrEnum):
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    LLAMACPP = "llamacpp"
-    SIM = "sim"
-
-
-class WeightsState(StrEnum):
-    PRESENT = "present"
-    ABSENT = "absent"
-    REMOVED = "removed"
-    REFUSED = "refused"  # asked to remove, but a shard still uses them
-
-
-# --------------------------------------------------------------------------- validation
-
-
-class _Fields:
-    """Typed reads from one JSON object; every failure names the field by its full path."""
-
-    def __init__(self, raw: object, path: str) -> None:
-        if not isinstance(raw, dict):
-            raise ProtocolError(CloseCode.MALFORMED, f"{path or 'message'} must be an object")
-        self.raw: dict[str, Any] = raw
-        self.path = path
-
-    def _name(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def _get(self, key: str, default: Any) -> Any:
-        if key in self.raw:
-            return self.raw[key]
-        if default is _REQUIRED:
-            raise ProtocolError(CloseCode.MALFORMED, f"{self._name(key)} is required")
-        return default
-
-    def text(self, key: str, default: Any = None, *, max_len: int = 500) -> str:
-        value = self._get(key, _REQUIRED if default is None else default)
-        if not isinstance(value, str):
-            raise ProtocolError(CloseCode.MALFORMED, f"{self._name(key)} must be a string")
-        if len(value) > max_len:
-            raise ProtocolError(
-                CloseCode.MALFORMED, f"{self._name(key)} is longer than {max_len} characters"
-            )
-        return value
-
-    def integer(self, key: str, default: Any = None, *, low: int = 0, high: int = 2**63 - 1) -> int:
-        value = self._get(key, _REQUIRED if default is None else default)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ProtocolError(
-                CloseCode.MALFORMED, f"{self._name(key)} must be an integer from {low} to {high}"
-            )
-        return value
-
-    def opt_integer(self, key: str, *, low: int = -(2**31), high: int = 2**31 - 1) -> int | None:
-        if self.raw.get(key) is None:
-            return None
-        return self.integer(key, low=low, high=high)
-
-    def number(self, key: str, default: Any = None, *, low: float = 0.0) -> float:
-        value = self._get(key, _REQUIRED if default is None else default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= low:
-            raise ProtocolError(
-                CloseCode.MALFORMED, f"{self._name(key)} must be a number of at least {low:g}"
-            )
-        return float(value)
-
-    def choice(self, key: str, kind: type[_E], default: Any = None) -> _E:
-        value = self.text(key, default, max_len=50)
-        try:
-            return kind(value)
-        except ValueError:
-            allowed = ", ".join(repr(str(v.value)) for v in kind)
-            raise ProtocolError(
-                CloseCode.MALFORMED, f"{self._name(key)} must be one of {allowed}"
-            ) from None
-
-    def items(self, key: str, *, max_items: int = 1000) -> list[Any]:
-        value = self._get(key, [])
-        if not isinstance(value, list):
-            raise ProtocolError(CloseCode.MALFORMED, f"{self._name(key)} must be a list")
-        if len(value) > max_items:
-            raise ProtocolError(
-                CloseCode.MALFORMED, f"{self._name(key)} has more than {max_items} items"
-            )
-        return value
-
-    def objects(self, key: str, *, max_items: int = 1000) -> list[_Fields]:
-        return [
-            _Fields(item, f"{self._name(key)}[{i}]")
-            for i, item in enumerate(self.items(key, max_items=max_items))
-        ]
-
-    def texts(self, key: str, *, max_items: int = 1000, max_len: int = 500) -> tuple[str, ...]:
-        items = self.items(key, max_items=max_items)
-        for i, item in enumerate(items):
-            if not isinstance(item, str) or len(item) > max_len:
-                raise ProtocolError(
-                    CloseCode.MALFORMED,
-                    f"{self._name(key)}[{i}] must be a string of at most {max_len} characters",
-                )
-        return tuple(items)
-
-    def integers(self, key: str, *, low: int = 0, high: int = 1023) -> tuple[int, ...]:
-        items = self.items(key, max_items=high - low + 1)
-        for i, item in enumerate(items):
-            if isinstance(item, bool) or not isinstance(item, int) or not low <= item <= high:
-                raise ProtocolError(
-                    CloseCode.MALFORMED,
-                    f"{self._name(key)}[{i}] must be an integer from {low} to {high}",
-                )
-        return tuple(items)
-
-    def text_map(self, key: str) -> dict[str, str]:
-        value = self._get(key, {})
-        if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        ):
-            raise ProtocolError(
-                CloseCode.MALFORMED, f"{self._name(key)} must be an object of strings"
-            )
-        return dict(value)
-
-
-_REQUIRED: Final = object()
-_E = TypeVar("_E", bound=StrEnum)
-
-# A weights name is a relative path under the agent's weights directory; nothing that could
-# climb out of it (``..``, absolute paths, backslashes, NUL) is ever accepted.
-_WEIGHTS_NAME = re.compile(r"^(?!/)(?!.*(?:^|/)\.\.?(?:/|$))[A-Za-z0-9._\-/]{1,300}$")
-_NODE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
-
-
-def valid_weights_name(name: str) -> bool:
-    return bool(_WEIGHTS_NAME.match(name)) and "//" not in name
-
-
-_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
-
-
-def address_problem(address: str) -> str | None:
-    """Why a node address cannot be used to reach its engines, or None: it must be a bare IP
-    address or host name. Nothing with a scheme, port, path, user or query (the gateway builds
-    engine URLs from it), and no numeric form but the canonical one (``2852039166`` and
-    ``0xa9fea9fe`` are 169.254.169.254 to a resolver)."""
-    if not address or len(address) > 253:
-        return "must be 1-253 characters"
-    try:
-        ipaddress.ip_address(address)
-    except ValueError:
-        pass
-    else:
-        return None
-    labels = address.rstrip(".").split(".")
-    if not all(_HOST_LABEL.match(label) for label in labels):
-        return "must be a bare IP address or host name (no scheme, port or path)"
-    if labels[-1].isdigit() or labels[-1].lower().startswith("0x"):
-        return "must be a canonical IP address (dotted decimal) or a host name"
-    return None
-
-
-def valid_node_name(name: str) -> bool:
-    """The node names Django's ``SlugField`` (``Node.name``) accepts."""
-    return bool(_NODE_NAME.match(name))
-
-
-# --------------------------------------------------------------------------- messages
 
 
 @dataclass(frozen=True)
@@ -296,7 +54,7 @@ class GpuInfo:
         }
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> GpuInfo:
+    def from_fields(cls, f: Fields) -> GpuInfo:
         return cls(
             index=f.integer("index", high=1023),
             uuid=f.text("uuid", "", max_len=100),
@@ -335,7 +93,7 @@ class Hello:
         }
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> Hello:
+    def from_fields(cls, f: Fields) -> Hello:
         node = f.text("node", max_len=100)
         if not valid_node_name(node):
             raise ProtocolError(
@@ -413,7 +171,7 @@ class ShardStatus:
         }
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> ShardStatus:
+    def from_fields(cls, f: Fields) -> ShardStatus:
         return cls(
             shard_id=f.integer("shard_id", low=1),
             replica_id=f.integer("replica_id", low=1),
@@ -442,7 +200,7 @@ class WeightsReport:
         return {"name": self.name, "state": self.state.value, "message": self.message}
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> WeightsReport:
+    def from_fields(cls, f: Fields) -> WeightsReport:
         return cls(
             name=f.text("name", max_len=300),
             state=f.choice("state", WeightsState),
@@ -475,7 +233,7 @@ class Status:
         }
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> Status:
+    def from_fields(cls, f: Fields) -> Status:
         shards = tuple(ShardStatus.from_fields(s) for s in f.objects("shards"))
         if len({s.shard_id for s in shards}) != len(shards):
             raise ProtocolError(CloseCode.MALFORMED, "shards must not repeat a shard_id")
@@ -501,7 +259,7 @@ class Heartbeat:
         return {"seq": self.seq}
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> Heartbeat:
+    def from_fields(cls, f: Fields) -> Heartbeat:
         return cls(seq=f.integer("seq", 0))
 
 
@@ -523,7 +281,7 @@ class Welcome:
         }
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> Welcome:
+    def from_fields(cls, f: Fields) -> Welcome:
         return cls(
             node=f.text("node", max_len=100),
             heartbeat_interval=f.number("heartbeat_interval", low=0.05),
@@ -589,10 +347,10 @@ class DesiredShard:
     @classmethod
     def from_dict(cls, raw: object) -> DesiredShard:
         """Validate a shard read back from somewhere other than a frame (the state file)."""
-        return cls.from_fields(_Fields(raw, "shard"))
+        return cls.from_fields(Fields(raw, "shard"))
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> DesiredShard:
+    def from_fields(cls, f: Fields) -> DesiredShard:
         env = f.text_map("env")
         for name in env:
             if not _ENV_NAME.match(name):
@@ -652,7 +410,7 @@ class DesiredState:
         }
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> DesiredState:
+    def from_fields(cls, f: Fields) -> DesiredState:
         shards = tuple(DesiredShard.from_fields(s) for s in f.objects("shards"))
         if len({s.shard_id for s in shards}) != len(shards):
             raise ProtocolError(CloseCode.MALFORMED, "shards must not repeat a shard_id")
@@ -686,7 +444,7 @@ class ErrorMessage:
         return {"code": self.code, "message": self.message}
 
     @classmethod
-    def from_fields(cls, f: _Fields) -> ErrorMessage:
+    def from_fields(cls, f: Fields) -> ErrorMessage:
         return cls(
             code=f.integer("code", 0, high=4999), message=f.text("message", "", max_len=2000)
         )
@@ -695,79 +453,3 @@ class ErrorMessage:
 AgentMessage = Hello | Status | Heartbeat | ErrorMessage
 ServerMessage = Welcome | DesiredState | ErrorMessage
 Message = Hello | Status | Heartbeat | Welcome | DesiredState | ErrorMessage
-
-_AGENT_TYPES: Final[dict[str, Any]] = {
-    Hello.TYPE: Hello,
-    Status.TYPE: Status,
-    Heartbeat.TYPE: Heartbeat,
-    ErrorMessage.TYPE: ErrorMessage,
-}
-_SERVER_TYPES: Final[dict[str, Any]] = {
-    Welcome.TYPE: Welcome,
-    DesiredState.TYPE: DesiredState,
-    ErrorMessage.TYPE: ErrorMessage,
-}
-
-
-def encode(message: Message) -> str:
-    """One message as the text of one frame."""
-    body = {"type": message.TYPE, "v": PROTOCOL_VERSION}
-    body.update(message.to_dict())
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-
-
-def _envelope(data: str | bytes | None) -> _Fields:
-    if data is None:
-        raise ProtocolError(CloseCode.MALFORMED, "empty frame")
-    if isinstance(data, bytes | bytearray):
-        raise ProtocolError(
-            CloseCode.UNSUPPORTED_DATA, "binary frames are not part of the protocol; send JSON text"
-        )
-    # Characters, not bytes, for speed; a character is at most four bytes, and the transport
-    # has already bounded the frame in bytes.
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(
-            CloseCode.TOO_BIG, f"message larger than {MAX_MESSAGE_BYTES} bytes refused"
-        )
-    try:
-        raw = json.loads(data)
-    except ValueError as exc:
-        raise ProtocolError(CloseCode.MALFORMED, f"not JSON: {exc}") from None
-    except RecursionError:
-        raise ProtocolError(CloseCode.MALFORMED, "not JSON: nested too deeply") from None
-    fields = _Fields(raw, "")
-    version = fields.raw.get("v")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            CloseCode.PROTOCOL_VERSION,
-            f"protocol version {version!r} is not supported; this peer speaks "
-            f"version {PROTOCOL_VERSION}",
-        )
-    return fields
-
-
-def _decode(data: str | bytes | None, types: Mapping[str, Any], side: str) -> Any:
-    fields = _envelope(data)
-    kind = fields.raw.get("type")
-    cls = types.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        known = ", ".join(sorted(types))
-        raise ProtocolError(
-            CloseCode.MALFORMED, f"unknown message type {kind!r} from {side}; expected {known}"
-        )
-    try:
-        return cls.from_fields(fields)
-    except ProtocolError as exc:
-        raise ProtocolError(exc.code, f"{kind}: {exc.message}") from None
-
-
-def decode_agent_message(data: str | bytes | None) -> AgentMessage:
-    """Parse and validate a frame an agent sent; raises :class:`ProtocolError` only."""
-    message: AgentMessage = _decode(data, _AGENT_TYPES, "an agent")
-    return message
-
-
-def decode_server_message(data: str | bytes | None) -> ServerMessage:
-    """Parse and validate a frame the control plane sent; raises :class:`ProtocolError` only."""
-    message: ServerMessage = _decode(data, _SERVER_TYPES, "the control plane")
-    return message

@@ -1,0 +1,237 @@
+"""What ``make bench`` measures: the ``sim`` engine (L0) and every server in front of it, each
+started, pinned to its CPU and kept in a :class:`Stack`, over a fresh SQLite store with one key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import django_on
+from tests.harness.procs import Proc, free_port, web_process
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = REPO / "var" / "bench"
+MODEL = "bench"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # base, without /v1
+    proc: Proc | None = None
+    key: str = ""  # a key of its own (LiteLLM's master key), else the stack's
+
+    def cpu_seconds(self) -> float:
+        """CPU of the server and its worker processes (granian serves from a child)."""
+        if self.proc is None:
+            return 0.0
+        total = 0.0
+        for pid in process_tree(self.proc.pid):
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / TICKS
+        return total
+
+    def rss_mib(self) -> float:
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+
+@dataclass
+class Stack:
+    key: str
+    targets: dict[str, Target]
+    procs: list[Proc] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.signal(signal.SIGTERM)
+        for proc in self.procs:
+            proc.stop()
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo += [int(child) for child in task.read_text().split()]
+            except OSError:
+                continue
+    return out
+
+
+# BENCH_PIN=0 leaves every process free to run on any core: on a machine others load, a
+# pinned process waits for its one core, and a server that sleeps between requests pays that
+# wake-up where one that spins does not (so the pinned latencies favour spinning servers).
+PINNING = os.environ.get("BENCH_PIN", "1") != "0"
+
+
+def pin(proc: Proc, cpu: int) -> Proc:
+    if PINNING and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > cpu:
+        for pid in process_tree(proc.pid):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(pid, {cpu})
+    return proc
+
+
+def granian(name: str, app: str, env: dict[str, str]) -> Proc:
+    """One granian worker on its own port (it binds its own socket), uvloop, one thread."""
+    port = free_port()
+    argv = [
+        str(Path(sys.executable).with_name("granian")),
+        *("--interface", "asgi", "--host", "127.0.0.1", "--port", str(port)),
+        *("--workers", "1", "--runtime-mode", "st", "--loop", "uvloop", "--no-ws"),
+        *("--log-level", "warning", app),
+    ]
+    return Proc(name, argv, WORK, env, port=port).start().wait_answering()
+
+
+LITELLM_KEY = "sk-bench-" + "0" * 32
+
+
+def litellm(program: str, upstream: str, env: dict[str, str]) -> Proc:
+    """LiteLLM's proxy in front of the same engine, one worker: the side-by-side target. It is
+    never a dependency of ours: ``LITELLM_BIN`` names a ``litellm`` from its own virtualenv."""
+    port = free_port()
+    config = WORK / "litellm.yaml"
+    model = {"model": f"openai/{MODEL}", "api_base": upstream + "/v1", "api_key": "none"}
+    config.write_text(
+        json.dumps(
+            {
+                "model_list": [{"model_name": MODEL, "litellm_params": model}],
+                "general_settings": {"master_key": LITELLM_KEY},
+            }
+        )
+    )
+    argv = [program, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--num_workers", "1"]
+    clean = {
+        k: v for k, v in env.items() if not k.startswith(("DATABASE_URL", "DJANGO", "PYTHONPATH"))
+    }
+    # Its bundled price list, not one fetched at start (with no network, three retries).
+    clean["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    proc = Proc("litellm", argv, WORK, clean, port=port).start()
+    return proc.wait_answering("/health/liveliness", timeout=180)
+
+
+def daphne(name: str, app: str, env: dict[str, str]) -> Proc:
+    port = free_port()
+    argv = [str(Path(sys.executable).with_name("daphne")), "-b", "127.0.0.1", "-p", str(port)]
+    argv += ["--verbosity", "0", app]
+    return Proc(name, argv, WORK, env, port=port).start().wait_answering()
+
+
+def start_engine(stack: Stack, env: dict[str, str]) -> Proc:
+    """The ``sim`` engine (L0) on CPU 0, and the model routed to it."""
+    from tests.harness.factories import serve_model  # after django.setup()
+
+    port = free_port()
+    argv = [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", MODEL]
+    sim = Proc("sim", argv, WORK, env, port=port).start()
+    stack.procs.append(sim)
+    pin(sim.wait_listening(), cpu=0)
+    serve_model(MODEL, [sim.port])
+    stack.targets["L0"] = Target("L0", sim.url, sim)
+    return sim
+
+
+def start_targets(stack: Stack, env: dict[str, str]) -> None:
+    """The engine (L0) and every gateway in front of it, each kept in ``stack`` as it starts."""
+    sim = start_engine(stack, env)
+    # Every gateway is the web server `manage.py run` starts (the launcher's argv); L1 and the
+    # stock handler only serve another application on it.
+    variants = {
+        "L1": ("bench.relay:app", {"BENCH_UPSTREAM": sim.url}),
+        "L2": ("", {}),
+        "L2-no-usage": ("", {"LLMGW_USAGE_ACCOUNTING": "false"}),
+        "L2-stock-handler": ("bench.stock:app", {}),
+    }
+    for name, (app, extra) in variants.items():
+        web = web_process(name, WORK, {**env, **extra}, app=app)
+        stack.procs.append(pin(web, cpu=1))
+        stack.targets[name] = Target(name, web.url, web)
+    relay_env = {**env, "BENCH_UPSTREAM": sim.url}
+
+    def keep(name: str, proc: Proc, key: str = "") -> None:
+        stack.procs.append(pin(proc, cpu=1))
+        stack.targets[name] = Target(name, proc.url, proc, key)
+
+    keep("L2-daphne", daphne("L2-daphne", "llmgw_site.asgi:application", env))
+    if Path(sys.executable).with_name("granian").exists():
+        keep("L1-granian", granian("L1-granian", "bench.relay:app", relay_env))
+        keep("L2-granian", granian("L2-granian", "llmgw_site.asgi:application", env))
+        keep("hello-granian", granian("hello-granian", "bench.hello:app", env))
+    else:
+        print("granian is not installed (requirements-dev.txt): its rows are skipped")
+    keep("hello-uvicorn", web_process("hello-uvicorn", WORK, env, app="bench.hello:app"))
+    litellm_bin = os.environ.get("LITELLM_BIN")
+    if litellm_bin:
+        keep("litellm", litellm(litellm_bin, sim.url, env), LITELLM_KEY)
+    else:
+        stack.skipped["litellm"] = (
+            "skipped: set LITELLM_BIN to a litellm[proxy] install's `litellm`"
+        )
+
+
+def prepare() -> tuple[dict[str, str], str]:
+    """A fresh SQLite store with one key; the environment every process gets."""
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    env = django_on(f"sqlite:///{WORK / 'bench.sqlite3'}", WORK)
+    from tests.harness.factories import make_key
+
+    key, _ = make_key("bench")
+    return env, key
+
+
+def started(start: Callable[[Stack, dict[str, str]], object]) -> Stack:
+    """A fresh store, then ``start``'s processes; this process on CPU 0 with the engine."""
+    env, key = prepare()
+    stack = Stack(key, {})
+    try:
+        start(stack, env)
+    except BaseException:
+        stack.stop()  # a target that failed to start must not leave the others running
+        raise
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        if PINNING:
+            os.sched_setaffinity(0, {0})
+    return stack
+
+
+def setup() -> Stack:
+    """The engine and every gateway in front of it."""
+    return started(start_targets)
+
+
+def setup_engine_and_gateway() -> Stack:
+    """The engine and one llmgw web process (L2) only (``bench.profile``)."""
+
+    def start(stack: Stack, env: dict[str, str]) -> None:
+        start_engine(stack, env)
+        web = web_process("L2", WORK, env)
+        stack.procs.append(pin(web, cpu=1))
+        stack.targets["L2"] = Target("L2", web.url, web)
+
+    return started(start)
