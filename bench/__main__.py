@@ -15,7 +15,8 @@ side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian, and L2 
 starts (the launcher's command line); granian and daphne get their own stock command lines.
 Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0 (not with
 ``BENCH_PIN=0``). Then the control plane's figures (``bench/control.py``): cold start and
-failover. The table is printed and written as JSON to ``$BENCH_JSON`` (default
+failover; and the CPU of one routing decision by the cache (``bench/routing_cost.py``). The
+table is printed and written as JSON to ``$BENCH_JSON`` (default
 ``var/bench.json``).
 
     python -m bench [--quick]
@@ -26,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -66,6 +69,15 @@ def run(quick: bool) -> dict[str, Any]:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))  # the whole machine again
     report["cold_start"] = control.cold_start(WORK / "control", samples=1 if quick else 3)
     report["failover"] = control.failover(WORK / "control")
+    report["routing"] = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "bench.routing_cost"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
     return report
 
 

@@ -96,6 +96,13 @@ def summarize(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]
             "<= 1.5 s",
             cold <= 1.5,
         ),
+        (
+            "routing decision CPU, 32,000-character prompt",
+            f"{report['routing']['decision_cpu_us']:.1f} us"
+            f" (load alone: {report['routing']['least_outstanding']['cpu_us_per_request']:.1f})",
+            "<= 30 us",
+            report["routing"]["decision_cpu_us"] <= 30,
+        ),
         *server_rows(report),
         *litellm_rows(report),
         (

@@ -1,0 +1,131 @@
+"""What routing by the cache costs per request: CPU of one decision for a 32,000-character prompt.
+
+The request path's routing work, as the relay does it: the prompt written out and cut into
+blocks (``gateway.routing.prefix.blocks_of``), the choice (``Upstreams.choose``: the mirrors'
+matches, ``gateway.routing.choice.choose_cached``, the blocks then held) and the engine's report
+learned (``Upstreams.learn``), against four upstreams whose mirrors are warm: eight shared
+system prompts of ~24,000 characters, each request with a unique ~8,000-character question.
+Beside it, the same choice under ``least_outstanding`` (load alone). Run in a process of its
+own (it needs Django's settings), in CPU time, the best of a few rounds::
+
+    python -m bench.routing_cost
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+PROMPT_CHARS = 32_000
+SYSTEM_CHARS = 24_000
+WORDS = [
+    "the",
+    "engine",
+    "keeps",
+    "the",
+    "cache",
+    "of",
+    "every",
+    "prompt",
+    "it",
+    "has",
+    "seen",
+    "so",
+    "a",
+    "request",
+    "whose",
+    "long",
+    "prefix",
+    "is",
+    "already",
+    "there",
+    "skips",
+    "that",
+    "work",
+    "and",
+    "answers",
+    "sooner",
+    "than",
+    "one",
+    "that",
+    "must",
+    "compute",
+    "it",
+    "again",
+]
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(WORDS)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)[:chars]
+
+
+def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
+    django.setup()
+    from django.test import override_settings
+
+    from gateway.routing import prefix
+    from gateway.routing.table import Route, Upstream
+    from gateway.routing.upstreams import Upstreams
+
+    rng = random.Random(7)
+    systems = [_text(rng, SYSTEM_CHARS) for _ in range(8)]
+    bodies = [
+        {
+            "messages": [
+                {"role": "system", "content": systems[i % 8]},
+                {"role": "user", "content": _text(rng, PROMPT_CHARS - SYSTEM_CHARS)},
+            ]
+        }
+        for i in range(400)
+    ]
+    route = Route(
+        "bench", 1, tuple(Upstream(f"replica:{i}", f"http://10.0.0.{i}:8000") for i in range(4))
+    )
+
+    def one_round(upstreams: Upstreams, cache_aware: bool) -> float:
+        start = time.process_time()
+        for i in range(requests):
+            body = bodies[i % len(bodies)]
+            if cache_aware:
+                blocks = prefix.blocks_of("chat", body, 1024, 512)
+                choice = upstreams.choose(route, blocks=blocks)
+                assert choice is not None
+                upstreams.learn(choice.upstream, blocks, choice.predicted, 6000, 8000)
+            else:
+                upstreams.choose(route)
+        return (time.process_time() - start) / requests * 1e6
+
+    out: dict[str, Any] = {"prompt_chars": PROMPT_CHARS, "requests_per_round": requests}
+    for policy in ("cache_aware", "least_outstanding"):
+        with override_settings(LLMGW_ROUTING_POLICY=policy):
+            upstreams = Upstreams()
+            one_round(upstreams, policy == "cache_aware")  # warm the mirrors
+            out[policy] = {
+                "cpu_us_per_request": min(
+                    one_round(upstreams, policy == "cache_aware") for _ in range(rounds)
+                )
+            }
+    out["decision_cpu_us"] = out["cache_aware"]["cpu_us_per_request"]
+    return out
+
+
+def main() -> None:
+    json.dump(measure(), sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()
