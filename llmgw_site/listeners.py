@@ -72,7 +72,8 @@ _HEALTHZ = Route("http", "/healthz", Answer.HEALTH)
 ROLES: tuple[Role, ...] = (
     Role(
         CLIENT,
-        serves=(Route("http", "/v1", Answer.V1), Route("http", "/v1/*", Answer.V1), _HEALTHZ),
+        # The paths under /v1 first: nearly every request is one of them.
+        serves=(Route("http", "/v1/*", Answer.V1), Route("http", "/v1", Answer.V1), _HEALTHZ),
     ),
     Role(
         "admin",
@@ -127,7 +128,6 @@ def router(role: str, split: Collection[str]) -> Router:
     its own); then a path that another listener serves by name is 404 here, where a catch-all
     would otherwise take it (only the metrics listener serves ``/metrics`` once it exists, only
     the client listener ``/v1``); then the catch-alls."""
-    others = {CLIENT, *split} - {role}
     mine = list(_BY_NAME[role].serves)
     if role == CLIENT:
         mine += [
@@ -138,8 +138,9 @@ def router(role: str, split: Collection[str]) -> Router:
         ]
     elsewhere = [
         Route(route.kind, route.path, Answer.NOT_FOUND)
-        for name in others
-        for route in _BY_NAME[name].serves
+        for each in ROLES
+        if each.name != role and listener_of(each.name, split) == each.name
+        for route in each.serves
         if route.named
     ]
     named = [route for route in mine if route.named]
