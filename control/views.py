@@ -1,11 +1,10 @@
-"""Plain HTTP endpoints of the control plane."""
+"""The control plane's health: what ``/healthz`` answers (``llmgw_site.asgi.healthz``)."""
 
 from __future__ import annotations
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection
-from django.http import HttpRequest, JsonResponse
 
 
 def _database_reachable() -> bool:
@@ -27,9 +26,3 @@ async def health() -> tuple[int, dict[str, str]]:
         "version": settings.LLMGW_VERSION,
         "database": "reachable" if reachable else "unreachable",
     }
-
-
-async def healthz(request: HttpRequest) -> JsonResponse:
-    """``/healthz`` where Django serves it (``llmgw_site.asgi`` answers it without Django)."""
-    status, body = await health()
-    return JsonResponse(body, status=status)

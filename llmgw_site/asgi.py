@@ -58,45 +58,51 @@ DRAINING = Response(
 NOT_FOUND = Response(404, [(b"content-type", b"application/json")], b'{"error":"not found"}')
 site = ASGIStaticFilesHandler(django_asgi)
 agent_streams = URLRouter(websocket_urlpatterns)
-# The listeners of this process and their roles (set by llmgw_site.webserver); SPLIT is empty
-# when one port serves everything, which keeps that path as short as it was.
+# The listeners of this process and their roles (published by llmgw_site.webserver), and what
+# each answers (llmgw_site.listeners); with one listener, everything is the client's.
 PORTS = listeners.parse_ports(os.environ.get("LLMGW_LISTENER_PORTS", ""))
-SPLIT = frozenset(PORTS.values()) - {"client"}
+ROUTERS = listeners.routers(frozenset(PORTS.values()))
 
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     kind = scope["type"]
-    if drain.draining and kind == "http":
-        send = closing(send)
-    if SPLIT:
-        await split_application(scope, receive, send)
-    elif kind == "http":
-        path: str = scope["path"]
-        if path.startswith("/v1/") or path == "/v1":
-            await v1(scope, receive, send)
-        elif path == "/healthz" and drain.draining:
-            await send_answer(DRAINING, send)
-        else:
-            await site_request(scope, receive, send)
-    elif kind == "websocket":
-        await agent_streams(scope, receive, send)
+    if kind == "http":
+        if drain.draining:
+            send = closing(send)
     elif kind == "lifespan":
         await lifespan(receive, send)
-    else:
+        return
+    elif kind != "websocket":
         raise ValueError(f"no application for ASGI scope type {kind!r}")
+    router = ROUTERS[listeners.role_of(PORTS, scope.get("server"))]
+    await ANSWERS[router.answer(kind, scope["path"])](scope, receive, send)
+
+
+async def healthz(scope: Scope, receive: Receive, send: Send) -> None:
+    """``/healthz``, answered here only: 503 ``draining`` once this process's stop began, else
+    the store's answer. Without Django, as balancers call it often and a process that serves
+    only ``/v1`` need never load the site's URLconf."""
+    if drain.draining:
+        await send_answer(DRAINING, send)
+        return
+    status, body = await health()
+    await send_answer(whole(status, json.dumps(body).encode()), send)
 
 
 async def site_request(scope: Scope, receive: Receive, send: Send) -> None:
-    """Django's site: the admin, its dashboard, the account pages; ``/healthz`` without it, as
-    balancers call it often and a process that serves only ``/v1`` need never load the site's
-    URLconf (the admin, ninja and the rest: most of a second of imports, off the event loop
-    when a first admin request does load it)."""
-    if scope["type"] == "http" and scope["path"] == "/healthz":
-        status, body = await health()
-        await send_answer(whole(status, json.dumps(body).encode()), send)
-        return
+    """Django's site: the admin, its dashboard, the account pages. Its URLconf (the admin, ninja
+    and the rest: most of a second of imports) is loaded off the event loop by the first
+    request that needs it."""
     await imported(settings.ROOT_URLCONF)
     await site(scope, receive, send)
+
+
+async def not_found(scope: Scope, receive: Receive, send: Send) -> None:
+    """What a listener does not serve."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 4404})
+    else:
+        await send_answer(NOT_FOUND, send)
 
 
 def closing(send: Send) -> Send:
@@ -112,34 +118,7 @@ def closing(send: Send) -> Send:
     return send_closing
 
 
-async def split_application(scope: Scope, receive: Receive, send: Send) -> None:
-    """Listeners split by role (``llmgw_site.listeners``): each serves only its own part."""
-    kind = scope["type"]
-    if kind == "lifespan":
-        await lifespan(receive, send)
-        return
-    if kind not in ("http", "websocket"):
-        raise ValueError(f"no application for ASGI scope type {kind!r}")
-    path: str = scope["path"]
-    role = listeners.role_of(PORTS, scope.get("server"))
-    answer = listeners.decide(role, SPLIT, kind, path)
-    if answer is listeners.Answer.V1:
-        await v1(scope, receive, send)
-    elif kind == "http" and path == "/healthz" and drain.draining:
-        await send_answer(DRAINING, send)
-    elif answer is listeners.Answer.SITE:
-        await site_request(scope, receive, send)
-    elif answer is listeners.Answer.OPEN_METRICS:
-        await open_metrics(scope, send)
-    elif answer is listeners.Answer.AGENTS:
-        await agent_streams(scope, receive, send)
-    elif kind == "websocket":
-        await send({"type": "websocket.close", "code": 4404})
-    else:
-        await send_answer(NOT_FOUND, send)
-
-
-async def open_metrics(scope: Scope, send: Send) -> None:
+async def open_metrics(scope: Scope, receive: Receive, send: Send) -> None:
     """``/metrics`` on the metrics listener: no token, since that listener serves nothing else."""
     if scope["method"] not in ("GET", "HEAD"):
         await send_answer(NOT_FOUND, send)
@@ -149,6 +128,17 @@ async def open_metrics(scope: Scope, send: Send) -> None:
     body, content_type = await sync_to_async(scrape)(accept)
     await send_answer(Response(200, [(b"content-type", content_type.encode())], body), send)
 
+
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+# The application behind each of the table's answers.
+ANSWERS: dict[listeners.Answer, App] = {
+    listeners.Answer.V1: v1,
+    listeners.Answer.HEALTH: healthz,
+    listeners.Answer.SITE: site_request,
+    listeners.Answer.OPEN_METRICS: open_metrics,
+    listeners.Answer.AGENTS: agent_streams,
+    listeners.Answer.NOT_FOUND: not_found,
+}
 
 # How long a stopping process waits for background token counts before it closes the journal.
 COUNTS_GRACE_S = 10.0

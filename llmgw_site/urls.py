@@ -1,8 +1,11 @@
+"""The site's URLconf: what Django serves behind ``llmgw_site.asgi`` (``Answer.SITE`` in
+``llmgw_site.listeners``). ``/v1`` and ``/healthz`` are answered before Django, each in one
+place: ``/v1`` by ``gateway.edge.asgi.V1App`` (its ninja operations on ``gateway.edge.v1_urls``),
+``/healthz`` by ``llmgw_site.asgi.healthz``."""
+
 from django.contrib import admin
 from django.urls import include, path
 
-from control.views import healthz
-from gateway.edge.api import api as gateway_api
 from llmgw_site import sso
 from llmgw_site.admin_api.api import api as admin_api
 from llmgw_site.views import dashboard_data, metrics_view
@@ -12,9 +15,7 @@ from llmgw_site.views import dashboard_data, metrics_view
 admin.autodiscover()
 
 urlpatterns = [
-    path("v1/", gateway_api.urls),
     path("api/admin/v1/", admin_api.urls),
-    path("healthz", healthz, name="healthz"),
     path("metrics", metrics_view, name="metrics"),
     # Before admin.site.urls, whose catch-all would take it; staff-only, checked in the view.
     path("admin/dashboard.json", dashboard_data, name="admin-dashboard-data"),

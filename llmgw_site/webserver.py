@@ -44,6 +44,7 @@ import uvicorn
 
 from gateway.relay.drain import drain
 from llmgw_site.config import DEFAULT_IDLE_LINGER, DEFAULT_SHUTDOWN_GRACE, env_bool, env_float
+from llmgw_site.listeners import ROLE_NAMES, ports_value
 
 logger = logging.getLogger("llmgw.webserver")
 
@@ -57,7 +58,6 @@ KEEP_ALIVE_SECONDS = 75
 # A WebSocket frame past this is refused by the server before the application buffers it
 # (1009); the agents' protocol itself allows 512 KiB (agents.protocol.vocabulary.MAX_MESSAGE_BYTES).
 WS_MAX_BYTES = 1024 * 1024
-ROLES = ("client", "admin", "metrics", "agent")
 
 
 class WebServer(uvicorn.Server):
@@ -177,8 +177,8 @@ def listeners(specs: list[str]) -> dict[int, str]:
     out: dict[int, str] = {}
     for spec in specs:
         role, _, fd = spec.partition("=")
-        if role not in ROLES or not fd.isdigit():
-            raise SystemExit(f"--listen {spec!r}: expected ROLE=FD with ROLE one of {ROLES}")
+        if role not in ROLE_NAMES or not fd.isdigit():
+            raise SystemExit(f"--listen {spec!r}: expected ROLE=FD with ROLE one of {ROLE_NAMES}")
         out[int(fd)] = role
     return out
 
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ports = {
         role: sock.getsockname()[1] for sock, role in zip(sockets, roles.values(), strict=True)
     }
-    os.environ["LLMGW_LISTENER_PORTS"] = ",".join(f"{role}={port}" for role, port in ports.items())
+    os.environ["LLMGW_LISTENER_PORTS"] = ports_value(ports)
     grace = env_float(os.environ, "LLMGW_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE)
     idle_linger = env_float(os.environ, "LLMGW_IDLE_LINGER", DEFAULT_IDLE_LINGER)
     access_log = args.access_log or env_bool(os.environ, "LLMGW_ACCESS_LOG", False)

@@ -1,6 +1,7 @@
-"""``/v1``: the OpenAI-compatible API (django-ninja, async). An edge: it authenticates, then
-hands the request to ``gateway.relay.entry``; the OpenAPI document it publishes is at
-``/v1/openapi.json`` (interactive docs at ``/v1/docs``)."""
+"""``/v1``'s ninja operations: the OpenAPI document at ``/v1/openapi.json`` (interactive docs at
+``/v1/docs``), the model list and a key's usage. An edge: it authenticates, then hands the
+request on. The relay routes (``gateway.relay.routes``) are documented here but served only by
+the front door, ``gateway.edge.asgi.V1App``, which answers them before ninja sees them."""
 
 from __future__ import annotations
 
@@ -167,12 +168,15 @@ async def list_models(request: HttpRequest) -> HttpResponseBase:
     return to_django(await entry.model_list(_key(request)))
 
 
-def _relay_view(route: RelayRoute) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:
+def _documented(route: RelayRoute) -> Callable[[HttpRequest], Awaitable[HttpResponseBase]]:
+    """An operation that documents ``route``: the relay routes are served by one front door,
+    ``gateway.edge.asgi.V1App``, which answers their POSTs before ninja sees them (ninja
+    answers other methods with 405). One view per route, as ninja marks each view with its
+    operation."""
+
     async def view(request: HttpRequest) -> HttpResponseBase:
-        # Under llmgw_site.asgi these paths are served by gateway.edge.asgi without ninja (same
-        # function, same answers); this is the path for any other mounting.
-        answer = await entry.relay(request.body, _key(request), route, time.perf_counter())
-        return to_django(answer)
+        # No docstring: ninja would publish it as the operation's description.
+        raise RuntimeError(f"{route.path} is answered by gateway.edge.asgi.V1App, not by ninja")
 
     return view
 
@@ -186,7 +190,7 @@ for _route in RELAY_ROUTES:
         operation_id="gateway_api_" + _route.path.removeprefix("/v1/").replace("/", "_"),
         summary=_route.summary,
         tags=[_route.tag],
-    )(_relay_view(_route))
+    )(_documented(_route))
 
 
 def _usage_summary(key: KeyInfo) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The ASGI application that serves ``/v1``: raw ASGI for the relay routes and the model list,
 ninja for the rest.
 
-The routes that go to an engine (``gateway.relay.routes``) are answered here without Django: no
-request object, no URL resolver, no middleware, no ``HttpResponse``. This application reads
+The routes that go to an engine (``gateway.relay.routes``) are answered here, and only here
+(``gateway.edge.api`` documents them), without Django: no request object, no URL resolver, no
+middleware, no ``HttpResponse``. This application reads
 the body (refusing one over ``LLMGW_MAX_BODY_BYTES`` with 413 as soon as its declared length,
 or for a chunked upload the bytes received so far, passes the limit), authenticates the key,
 calls ``gateway.relay.entry.relay`` and writes its ``Response``, a stream chunk by chunk as each

@@ -1,9 +1,10 @@
 """The relay routes: the ``/v1`` paths that go to an engine, declared once.
 
-Everything else is derived from this table: ``gateway.edge.asgi`` dispatches on ``BY_PATH``, the
-relay posts to the same path on the engine and reads ``streams``/``chunked`` to decide what a
-body may ask for, and ``gateway.edge.api`` makes one documented ninja operation of each route, so
-the OpenAPI document at ``/v1/openapi.json`` describes exactly what is served.
+Everything else is derived from this table: ``gateway.edge.asgi`` dispatches on ``BY_PATH`` (the
+one front door that serves them), the relay posts to the same path on the engine and reads
+``streams``/``chunked`` to decide what a body may ask for, and ``gateway.edge.api`` documents
+each route as a ninja operation, so the OpenAPI document at ``/v1/openapi.json`` describes
+exactly what is served.
 """
 
 from __future__ import annotations

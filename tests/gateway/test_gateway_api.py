@@ -1,6 +1,6 @@
-"""The ninja operations behind ``/v1``, called through Django's own test client (the stock
-handler), against what ``gateway.edge.asgi`` and ``llmgw_site.asgi`` answer without Django: the same
-answers either way; and what a web process imports only on first use."""
+"""``/v1`` through its one front door (``gateway.edge.asgi``) and the web process's whole
+application (``llmgw_site.asgi``): the relay routes never reach ninja, the model list answers as
+ninja's operation does; and what a web process imports only on first use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,11 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
+from control.views import health
 from gateway.ledger.usage import recorder
+from gateway.relay.routes import RELAY_ROUTES
 from gateway.routing.upstreams import upstreams
+from tests.harness.asgi import call_http
 from tests.harness.factories import make_key, serve_model
 from tests.harness.live import close_db_thread
 
@@ -35,54 +38,33 @@ def _isolated(settings: Any, tmp_path: Path) -> Iterator[None]:
     close_db_thread()
 
 
-async def test_the_ninja_views_answer_like_the_fast_path() -> None:
+async def test_the_relay_routes_are_answered_by_the_front_door_alone() -> None:
+    """The relay routes have one front door (``gateway.edge.asgi``): ninja only documents them,
+    so nothing of theirs reaches its handler."""
     key, _ = await sync_to_async(make_key)()
     await upstreams.refresh()
-    client = AsyncClient()
-    auth = {"Authorization": f"Bearer {key}"}
-    body = json.dumps({"model": "nothing-here", "messages": []})
-    missing = await client.post(
-        "/v1/chat/completions", body, content_type="application/json", headers=auth
+    body = json.dumps({"model": "nothing-here", "messages": []}).encode()
+    status, missing = await call_v1("/v1/chat/completions", "POST", key, body=body)
+    assert status == 404
+    assert json.loads(missing)["error"]["code"] == "model_not_found"
+    status, anonymous = await call_v1("/v1/embeddings", "POST", body=body)
+    assert status == 401
+    assert json.loads(anonymous)["error"]["code"] == "invalid_api_key"
+    status, wrong_type = await call_v1(
+        "/v1/completions", "POST", key, body=json.dumps({"model": 3}).encode()
     )
-    assert missing.status_code == 404
-    assert json.loads(missing.content)["error"]["code"] == "model_not_found"
-    anonymous = await client.post("/v1/embeddings", body, content_type="application/json")
-    assert anonymous.status_code == 401
-    assert json.loads(anonymous.content)["error"]["code"] == "invalid_api_key"
-    wrong_type = await client.post(
-        "/v1/completions", json.dumps({"model": 3}), content_type="application/json", headers=auth
-    )
-    assert wrong_type.status_code == 400
-    assert json.loads(wrong_type.content)["error"]["param"] == "model"
-    listing = await client.get("/v1/models", headers=auth)
-    assert listing.status_code == 200 and json.loads(listing.content)["object"] == "list"
+    assert status == 400
+    assert json.loads(wrong_type)["error"]["param"] == "model"
+    for route in RELAY_ROUTES:
+        status, refused = await call_v1(route.path, "POST", body=body)
+        assert status == 401 and json.loads(refused)["error"]["code"] == "invalid_api_key"
+    status, listing = await call_site("/v1/models", key=key)
+    assert status == 200 and json.loads(listing)["object"] == "list"
 
 
-Asgi = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
-
-
-async def call_asgi(
-    app: Asgi, path: str, method: str = "GET", key: str | None = None
+async def call_v1(
+    path: str, method: str = "GET", key: str | None = None, *, body: bytes = b""
 ) -> tuple[int, bytes]:
-    """One bodiless request through an ASGI application, as a server would hand it over."""
-    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
-    scope: dict[str, Any] = {"type": "http", "method": method, "path": path, "headers": headers}
-    scope |= {"query_string": b"", "root_path": "", "server": ("127.0.0.1", 80)}
-    scope |= {"client": ("127.0.0.1", 5), "scheme": "http", "http_version": "1.1"}
-    messages = [{"type": "http.request", "body": b"", "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: Any) -> None:
-        sent.append(dict(message))
-
-    await app(scope, receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
-
-
-async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tuple[int, bytes]:
     """One request through ``gateway.edge.asgi``'s application, failing if the application hands it
     to Django's handler."""
     from gateway.edge.asgi import V1App
@@ -92,22 +74,36 @@ async def call_v1(path: str, method: str = "GET", key: str | None = None) -> tup
 
     app = V1App()
     app._django.respond = not_through_django  # type: ignore[method-assign,assignment]
-    return await call_asgi(app, path, method, key)
+    return await call_http(app, path, method, key, body=body)
 
 
-async def call_site(path: str) -> tuple[int, bytes]:
+async def call_ninja(path: str, key: str | None = None) -> tuple[int, bytes]:
+    """One GET through ``/v1``'s ninja operations, on the handler ``gateway.edge.asgi`` hands
+    every path it does not answer itself."""
+    from gateway.edge.asgi import V1App
+
+    app = V1App()
+
+    async def ninja(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await app._django.respond(scope, b"", send)
+
+    return await call_http(ninja, path, "GET", key)
+
+
+async def call_site(path: str, key: str | None = None) -> tuple[int, bytes]:
     """One GET through the web process's whole application (``llmgw_site.asgi``)."""
     from llmgw_site.asgi import application
 
-    return await call_asgi(application, path)
+    return await call_http(application, path, "GET", key)
 
 
-async def test_healthz_answers_as_the_django_view_does() -> None:
+async def test_healthz_is_answered_before_django_and_only_there() -> None:
     status, body = await call_site("/healthz")
-    view = await AsyncClient().get("/healthz")
-    assert status == view.status_code == 200
-    assert json.loads(body) == json.loads(view.content)
+    assert status == 200
+    assert json.loads(body) == (await health())[1]
     assert json.loads(body)["database"] == "reachable"
+    # The site's URLconf has no /healthz of its own: the answer above is the one answer.
+    assert (await AsyncClient().get("/healthz")).status_code == 404
 
 
 async def test_a_module_loaded_on_first_use_is_imported_once_off_the_event_loop(
@@ -138,9 +134,9 @@ async def test_the_model_list_is_answered_without_ninja_as_ninja_answers_it() ->
     await upstreams.refresh()
     for each in (key, narrow):
         status, body = await call_v1("/v1/models", key=each)
-        ninja = await AsyncClient().get("/v1/models", headers={"Authorization": f"Bearer {each}"})
-        assert status == ninja.status_code == 200
-        assert json.loads(body) == json.loads(ninja.content)
+        ninja_status, ninja_body = await call_ninja("/v1/models", key=each)
+        assert status == ninja_status == 200
+        assert json.loads(body) == json.loads(ninja_body)
     assert [m["id"] for m in json.loads(body)["data"]] == ["chat-b"]
     for bad in (None, key + "x", "not-a-key"):
         status, body = await call_v1("/v1/models", key=bad)

@@ -30,7 +30,7 @@ from control import node_tokens
 from control.models import Event, Profile, ServedModel
 from gateway.identity import keys
 from gateway.models import ApiKey, Endpoint
-from llmgw_site import launcher
+from llmgw_site import launcher, listeners
 from telemetry import metrics
 
 DEMO_KEY_NAME = "make run demo"
@@ -265,7 +265,7 @@ class Command(BaseCommand):
                 raise CommandError(f"cannot listen on {address}:{number}: {exc.strerror}") from None
         bases = {role: url_of(*address) for role, address in addresses.items()}
         base = bases["client"]
-        admin_base = bases.get("admin", base)
+        admin_base = bases[listeners.listener_of("admin", bases)]
         env = dict(os.environ)
         children = launcher.web_children(
             sockets, web_processes, access_log=settings.LLMGW_ACCESS_LOG
@@ -290,7 +290,9 @@ class Command(BaseCommand):
             children.append(
                 launcher.Child(
                     "agent",
-                    agent_argv(bases.get("agent", base), host, token_file, agent_dir),
+                    agent_argv(
+                        bases[listeners.listener_of("agent", bases)], host, token_file, agent_dir
+                    ),
                     agent_env,
                 )
             )
