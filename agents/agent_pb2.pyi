@@ -39,7 +39,7 @@ class Hello(_message.Message):
     def __init__(self, node: _Optional[str] = ..., boot_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., addresses: _Optional[_Iterable[str]] = ..., port_range: _Optional[_Iterable[int]] = ..., highest_epoch: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "generation", "state", "port", "exit_code", "failure_class", "message", "log_tail", "requests_running", "requests_waiting", "pid")
+    __slots__ = ("shard_id", "replica_id", "generation", "state", "port", "exit_code", "failure_class", "message", "log_tail", "requests_running", "requests_waiting", "pid", "cache_tokens")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class ShardStatus(_message.Message):
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     replica_id: int
     generation: int
@@ -64,7 +65,8 @@ class ShardStatus(_message.Message):
     requests_running: int
     requests_waiting: int
     pid: int
-    def __init__(self, shard_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., port: _Optional[int] = ..., exit_code: _Optional[int] = ..., failure_class: _Optional[str] = ..., message: _Optional[str] = ..., log_tail: _Optional[_Iterable[str]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    cache_tokens: int
+    def __init__(self, shard_id: _Optional[int] = ..., replica_id: _Optional[int] = ..., generation: _Optional[int] = ..., state: _Optional[str] = ..., port: _Optional[int] = ..., exit_code: _Optional[int] = ..., failure_class: _Optional[str] = ..., message: _Optional[str] = ..., log_tail: _Optional[_Iterable[str]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., pid: _Optional[int] = ..., cache_tokens: _Optional[int] = ...) -> None: ...
 
 class WeightsReport(_message.Message):
     __slots__ = ("name", "state", "message")

@@ -6,6 +6,7 @@ Nothing here starts a process or touches the network, so every rule is tested on
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from agents.protocol.messages import DesiredShard
-from agents.protocol.vocabulary import Engine, FailureClass
+from agents.protocol.vocabulary import MAX_ENGINE_COUNT, Engine, FailureClass
 
 
 class RecipeError(Exception):
@@ -280,34 +281,102 @@ _LOAD_METRICS: Final = (
     ("vllm:num_requests_running", "vllm:num_requests_waiting"),
     ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
 )
+# How large each engine's KV cache is. vLLM publishes its cache settings as the labels of a
+# gauge fixed at 1 (``CacheConfig.metrics_info()``, one series per data-parallel engine):
+# ``kv_cache_size_tokens`` where it has it (newer releases: right for hybrid models too),
+# else ``num_gpu_blocks`` blocks of ``block_size`` tokens. SGLang publishes the token total
+# as a gauge of its own, one series per scheduler.
+_VLLM_CACHE: Final = "vllm:cache_config_info"
+_SGLANG_CACHE: Final = "sglang:max_total_num_tokens"
+# The label that tells one engine's cache from another's within one server: each vLLM
+# data-parallel engine and each SGLang data-parallel rank holds a cache of its own (they add
+# up); SGLang's tensor- and pipeline-parallel ranks of one data-parallel rank share theirs.
+_ENGINE_LABEL: Final = {_VLLM_CACHE: "engine", _SGLANG_CACHE: "dp_rank"}
 _SAMPLE: Final = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL: Final = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
 class EngineLoad:
     running: int
     waiting: int
+    # The engine's KV cache capacity in tokens; None where it does not publish it.
+    cache_tokens: int | None = None
 
 
 def parse_load(metrics_text: str) -> EngineLoad | None:
-    """Requests running and waiting, summed over every label set (one per served model);
-    None when the text has neither family's gauges."""
+    """Requests running and waiting, summed over every label set (one per served model), and
+    the KV cache's capacity; None when the text has neither family's request gauges.
+
+    The text comes from a process the agent does not trust to be sane: a line that is not a
+    sample, a value that is not a finite number, is skipped; counts are clamped to what the
+    protocol carries, so no engine can make its agent's report malformed.
+    """
     sums: dict[str, float] = {}
+    caches: dict[tuple[str, str], int] = {}  # (family, engine) -> tokens, the largest seen
     for line in metrics_text.splitlines():
         if not line or line.startswith("#"):
             continue
         match = _SAMPLE.match(line)
         if match is None:
             continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        sums[match.group(1)] = sums.get(match.group(1), 0.0) + value
+        name, labels, value = match.groups()
+        number = _finite(value)
+        if name in _ENGINE_LABEL:
+            cache = _cache_tokens(name, _labels(labels or ""), number)
+            if cache is not None:
+                key = (name, cache[0])
+                caches[key] = max(caches.get(key, 0), cache[1])
+        elif number is not None:
+            sums[name] = sums.get(name, 0.0) + number
     for running, waiting in _LOAD_METRICS:
         if running in sums:
-            return EngineLoad(int(sums[running]), int(sums.get(waiting, 0.0)))
+            return EngineLoad(
+                _clamp(sums[running]),
+                _clamp(sums.get(waiting, 0.0)),
+                _clamp(sum(caches.values())) if caches else None,
+            )
     return None
+
+
+def _cache_tokens(name: str, labels: dict[str, str], value: float | None) -> tuple[str, int] | None:
+    """One series' (engine, cache tokens), or None when it says no usable size."""
+    if name == _VLLM_CACHE:
+        tokens = _positive(_finite(labels.get("kv_cache_size_tokens", "")))
+        if tokens is None:
+            blocks = _positive(_finite(labels.get("num_gpu_blocks", "")))
+            size = _positive(_finite(labels.get("block_size", "")))
+            tokens = None if blocks is None or size is None else blocks * size
+    else:
+        tokens = _positive(value)
+    if tokens is None:
+        return None
+    return labels.get(_ENGINE_LABEL[name], ""), min(tokens, MAX_ENGINE_COUNT)
+
+
+def _labels(text: str) -> dict[str, str]:
+    return dict(_LABEL.findall(text))
+
+
+def _finite(text: str) -> float | None:
+    """A sample's value or a label's, as a finite number; None for anything else ("None",
+    "NaN", "+Inf", garbage)."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _positive(number: float | None) -> int | None:
+    """A size: a whole number of at least one, clamped; None for none or less."""
+    if number is None or number < 1:
+        return None
+    return int(min(number, MAX_ENGINE_COUNT))
+
+
+def _clamp(number: float) -> int:
+    return int(min(max(number, 0.0), MAX_ENGINE_COUNT))
 
 
 # --------------------------------------------------------------------------- weights

@@ -98,6 +98,8 @@ class ShardRuntime:
     message: str = ""
     requests_running: int | None = None
     requests_waiting: int | None = None
+    # The engine's KV cache in tokens, once its metrics said (fixed for this incarnation).
+    cache_tokens: int | None = None
     task: asyncio.Task[None] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -126,6 +128,7 @@ class ShardRuntime:
             log_tail=read_log_tail(self.log_path),
             requests_running=self.requests_running,
             requests_waiting=self.requests_waiting,
+            cache_tokens=self.cache_tokens,
             pid=self.handle.pid if self.handle is not None and not self.finished else None,
         )
 
@@ -423,6 +426,9 @@ class Supervisor:
         waiting = None if load is None else load.waiting
         if (running, waiting) != (rt.requests_running, rt.requests_waiting):
             rt.requests_running, rt.requests_waiting = running, waiting
+        if load is not None and load.cache_tokens is not None:
+            # Kept through a scrape that lacks it: the size is set when the engine starts.
+            rt.cache_tokens = load.cache_tokens
         return None if load is None else load.running + load.waiting
 
     def _url(self, rt: ShardRuntime, path: str) -> str:
@@ -444,7 +450,7 @@ class Supervisor:
         rt.state = ShardState.STOPPED
         rt.failure_class = FailureClass.NONE
         rt.message = "stopped by the agent"
-        rt.requests_running = rt.requests_waiting = None
+        rt.requests_running = rt.requests_waiting = rt.cache_tokens = None
         logger.info("shard %s stopped (%s)", rt.spec.shard_id, exit_words(rt.exit_code))
         self._changed()
 
@@ -495,7 +501,7 @@ class Supervisor:
         rt.message = message
         if exit_code is not None:
             rt.exit_code = exit_code  # else keep what _terminate recorded, if anything
-        rt.requests_running = rt.requests_waiting = None
+        rt.requests_running = rt.requests_waiting = rt.cache_tokens = None
         logger.error(
             "shard %s failed (%s): %s", rt.spec.shard_id, failure.value or "unknown", message
         )

@@ -402,6 +402,7 @@ SHARD_COLUMNS: tuple[str, ...] = (
     "message",
     "requests_running",
     "requests_waiting",
+    "cache_tokens",
     "updated_at",
 )
 

@@ -212,6 +212,7 @@ def record_status(
                 last_log="\n".join(report.log_tail),
                 requests_running=report.requests_running,
                 requests_waiting=report.requests_waiting,
+                cache_tokens=report.cache_tokens,
                 updated_at=now,
             )
             if updated:

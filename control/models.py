@@ -358,6 +358,9 @@ class Shard(models.Model):
     # Engine load from its metrics, as the agent last reported it (None: not published).
     requests_running = models.PositiveIntegerField(null=True, blank=True, editable=False)
     requests_waiting = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    # The engine's KV cache capacity in tokens, as its metrics say (None: not published, or an
+    # agent too old to tell): the gateway remembers no more of a replica's cache than this.
+    cache_tokens = models.PositiveIntegerField(null=True, blank=True, editable=False)
     updated_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:

@@ -73,6 +73,9 @@ class ReadyReplica:
     engine_key: str = ""
     # Goes up when the replica restarts: what the gateway learned of its cache is then void.
     generation: int = 1
+    # Its engine's KV cache capacity in tokens, as the head shard's agent last reported it
+    # (None: not known): what the gateway remembers of that cache is bounded by it.
+    cache_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,8 +152,10 @@ def routing_snapshot() -> RoutingSnapshot:
         .values_list("id", "addresses")
     )
     replicas = []
-    for replica_id, node_id, port in (
-        Shard.objects.filter(rank=0).order_by().values_list("replica_id", "node_id", "port")
+    for replica_id, node_id, port, cache_tokens in (
+        Shard.objects.filter(rank=0)
+        .order_by()
+        .values_list("replica_id", "node_id", "port", "cache_tokens")
     ):
         if replica_id not in live or node_id not in nodes:
             continue
@@ -165,7 +170,9 @@ def routing_snapshot() -> RoutingSnapshot:
             continue
         model_id, profile_id, key, generation = live[replica_id]
         profile = profile_names.get(profile_id, "")
-        replicas.append(ReadyReplica(replica_id, model_id, profile, host, port, key, generation))
+        replicas.append(
+            ReadyReplica(replica_id, model_id, profile, host, port, key, generation, cache_tokens)
+        )
     return RoutingSnapshot(models, replicas)
 
 

@@ -20,6 +20,7 @@ from agents.protocol.names import address_problem, valid_node_name, valid_weight
 from agents.protocol.vocabulary import (
     LOG_LINE_MAX_CHARS,
     LOG_TAIL_MAX_LINES,
+    MAX_ENGINE_COUNT,
     MAX_EPOCH,
     PROTOCOL_VERSION,
     CloseCode,
@@ -152,6 +153,9 @@ class ShardStatus:
     # Engine load from its metrics; None when the engine does not publish them.
     requests_running: int | None = None
     requests_waiting: int | None = None
+    # The engine's KV cache capacity in tokens, from its metrics (the gateway bounds what it
+    # remembers of that cache by it); None when not published, or from an older agent.
+    cache_tokens: int | None = None
     pid: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,6 +171,7 @@ class ShardStatus:
             "log_tail": list(self.log_tail),
             "requests_running": self.requests_running,
             "requests_waiting": self.requests_waiting,
+            "cache_tokens": self.cache_tokens,
             "pid": self.pid,
         }
 
@@ -184,6 +189,7 @@ class ShardStatus:
             log_tail=f.texts("log_tail", max_items=LOG_TAIL_MAX_LINES, max_len=LOG_LINE_MAX_CHARS),
             requests_running=f.opt_integer("requests_running", low=0),
             requests_waiting=f.opt_integer("requests_waiting", low=0),
+            cache_tokens=f.opt_integer("cache_tokens", low=1, high=MAX_ENGINE_COUNT),
             pid=f.opt_integer("pid", low=1),
         )
 

@@ -20,6 +20,9 @@ TOKEN_PREFIX: Final = "llmgw_node_"  # noqa: S105 - the visible prefix, not a se
 # Leader epochs rise by one per change of leader; no real cluster comes near this.
 MAX_EPOCH: Final = 2**53
 LOG_TAIL_MAX_LINES: Final = 50
+# What an engine's gauges (requests running and waiting, its KV cache in tokens) travel as at
+# most: a column's limit, far past any real engine; the agent clamps what it reads to it.
+MAX_ENGINE_COUNT: Final = 2**31 - 1
 LOG_LINE_MAX_CHARS: Final = 1000
 
 

@@ -174,6 +174,9 @@ class Exchange:
             recorder.finish(usage)
             if tokens is not None and tokens.clamped:
                 recorder.note_clamped(usage, tokens.clamped)
+        if tokens is not None and source == counting.ENGINE and self.blocks.keys:
+            if not tokens.clamped:  # a count out of range says nothing about this prompt
+                upstreams.measure(self.blocks, tokens.prompt)
         if tokens is not None and tokens.cached_reported and self.served_by is not None:
             self._learn(self.served_by, tokens)
         # The catalog's name, never the client's string: clients cannot grow the label set.

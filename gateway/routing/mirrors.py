@@ -10,8 +10,10 @@ already dropped: its capacity was too large (other processes fill the engine's c
 mirror's honest capacity is this process's share of it) and it shrinks, dropping its oldest
 blocks. An engine that had more than the mirror predicted grows it again, never past the
 upstream's cache size (``ceiling``), so what a process remembers per upstream is bounded by
-what that upstream can hold. A replica that restarted (a new generation), drained or left is
-forgotten whole (``Mirrors.retain``).
+what that upstream can hold. Engines tell their cache's size in tokens and a mirror counts
+blocks of bytes, so each process also learns how many bytes of written-out prompt a token is
+(``TokenBytes``) from the prompt tokens engines count in their usage. A replica that restarted
+(a new generation), drained or left is forgotten whole (``Mirrors.retain``).
 
 Blocks are added tail first, so the head of a prompt is the most recently used and a prefix
 loses its tail before its head, the order in which vLLM frees a finished request's blocks.
@@ -23,14 +25,22 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-# A mirror never shrinks below this many blocks: one contradicted guess must not make a
-# process forget everything it knew about an upstream.
+# A mirror never shrinks below this many blocks (or its upstream's whole cache, where that is
+# smaller): one contradicted guess must not make a process forget everything it knew.
 FLOOR_BLOCKS = 32
 # A contradicted prediction keeps this share of the capacity (multiplicative decrease)...
 SHRINK = 0.75
 # ...and a prediction off by this many blocks or fewer is rounding, not a contradiction (the
 # engine's report is in tokens, the mirror's blocks are bytes).
 TOLERANCE_BLOCKS = 1
+# A token is this many bytes of written-out prompt until engines' counts say otherwise (English
+# text in today's tokenizers: about four)...
+TOKEN_BYTES = 4.0
+# ...then a moving average of what each prompt's count says, each held to this range first
+# (CJK text is about two bytes a token, token ids written as JSON about six; nothing real is
+# outside it), so one odd count, or an engine that lies, moves the estimate little.
+TOKEN_BYTES_RANGE = (1.0, 16.0)
+TOKEN_BYTES_WEIGHT = 1 / 64
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,7 @@ class Mirror:
     __slots__ = ("_keys", "capacity", "ceiling")
 
     def __init__(self, ceiling: int) -> None:
-        self.ceiling = max(FLOOR_BLOCKS, ceiling)
+        self.ceiling = max(1, ceiling)
         self.capacity = self.ceiling
         self._keys: OrderedDict[int, None] = OrderedDict()
 
@@ -80,7 +90,7 @@ class Mirror:
         self._trim()
 
     def shrink(self) -> None:
-        self.capacity = max(FLOOR_BLOCKS, int(self.capacity * SHRINK))
+        self.capacity = max(min(FLOOR_BLOCKS, self.ceiling), int(self.capacity * SHRINK))
         self._trim()
 
     def grow(self, blocks: int) -> None:
@@ -88,7 +98,7 @@ class Mirror:
 
     def resize(self, ceiling: int) -> None:
         """The upstream's cache size changed (or became known)."""
-        self.ceiling = max(FLOOR_BLOCKS, ceiling)
+        self.ceiling = max(1, ceiling)
         self.capacity = min(self.capacity, self.ceiling)
         self._trim()
 
@@ -96,6 +106,30 @@ class Mirror:
         held = self._keys
         while len(held) > self.capacity:
             held.popitem(last=False)
+
+
+class TokenBytes:
+    """How many bytes of written-out prompt (``gateway.routing.prefix``) an engine's token is,
+    as this process has seen engines count them: what turns a cache size reported in tokens
+    into a mirror's ceiling in blocks. The prompt tokens an engine counts include its chat
+    template's own, which its cache holds too, so this is the ratio its cache fills at."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, start: float = TOKEN_BYTES) -> None:
+        self.value = start
+
+    def learn(self, size: int, tokens: int) -> None:
+        """An engine counted ``tokens`` prompt tokens in a prompt written out as ``size`` bytes."""
+        if size <= 0 or tokens <= 0:
+            return
+        low, high = TOKEN_BYTES_RANGE
+        ratio = min(high, max(low, size / tokens))
+        self.value += (ratio - self.value) * TOKEN_BYTES_WEIGHT
+
+    def blocks(self, tokens: int, block_bytes: int) -> int:
+        """How many blocks of ``block_bytes`` bytes a cache of ``tokens`` tokens holds."""
+        return max(1, int(tokens * self.value) // max(1, block_bytes))
 
 
 def matches(
@@ -119,6 +153,7 @@ class Mirrors:
         self.by_upstream: dict[str, Mirror] = {}
         self._generations: dict[str, int] = {}
         self._ceilings: dict[str, int] = {}  # the cache sizes upstreams reported, in blocks
+        self.token_bytes = TokenBytes()
 
     def matches(self, ids: Iterable[str], keys: tuple[int, ...]) -> dict[str, int]:
         if not keys or not self.by_upstream:

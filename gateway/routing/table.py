@@ -25,6 +25,9 @@ class Upstream:
     addresses: str = "any"
     # A replica's restart count: what routing learned of its cache holds for one generation.
     generation: int = 0
+    # A replica's KV cache capacity in tokens, as its engine reports it (None: not known, and
+    # always for endpoints): what routing remembers of that cache is bounded by it.
+    cache_tokens: int | None = None
 
     @property
     def authorization(self) -> bytes:
@@ -61,6 +64,7 @@ class ReplicaRow:
     port: int
     key: str = field(default="", repr=False)
     generation: int = 1
+    cache_tokens: int | None = None  # see Upstream
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,7 @@ def build_table(
             key=replica.key,
             addresses="node",
             generation=replica.generation,
+            cache_tokens=replica.cache_tokens,
         )
         by_model.setdefault(replica.model_id, {}).setdefault(replica.profile, []).append(upstream)
     static: dict[str, list[Upstream]] = {}

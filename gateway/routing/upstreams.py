@@ -82,7 +82,14 @@ def load_table(version: int = 0) -> Table:
     profiles = {entry.id: set(entry.profiles) for entry in snapshot.models if entry.profiles}
     replicas = [
         ReplicaRow(
-            r.id, r.model_id, r.profile, r.host, r.port, key=r.engine_key, generation=r.generation
+            r.id,
+            r.model_id,
+            r.profile,
+            r.host,
+            r.port,
+            key=r.engine_key,
+            generation=r.generation,
+            cache_tokens=r.cache_tokens,
         )
         for r in snapshot.replicas
     ]
@@ -175,12 +182,27 @@ class Upstreams:
         table = await sync_to_async(load_table)(next(self._versions))
         self.table = table
         self.loaded = True
-        # A replica that restarted, drained or left takes what was learned of its cache along.
-        self.mirrors.retain({uid: (u.generation, None) for uid, u in table.upstreams().items()})
+        self.remember(table)
         # Wake everyone waiting for a change, and give later waiters a fresh event.
         refreshed, self._refreshed = self._refreshed, asyncio.Event()
         if refreshed is not None:
             refreshed.set()
+
+    def remember(self, table: Table) -> None:
+        """Keep what was learned of the caches of the upstreams ``table`` routes to, each
+        bounded by its cache's size where its engine reported one: a replica that restarted,
+        drained or left takes what was learned of its cache along."""
+        block_bytes = int(settings.LLMGW_ROUTING_BLOCK_BYTES)
+        size = self.mirrors.token_bytes
+        self.mirrors.retain(
+            {
+                uid: (
+                    u.generation,
+                    None if u.cache_tokens is None else size.blocks(u.cache_tokens, block_bytes),
+                )
+                for uid, u in table.upstreams().items()
+            }
+        )
 
     async def _changed(self, within: float) -> None:
         """Wait until the next table load, or ``within`` seconds."""
@@ -313,6 +335,11 @@ class Upstreams:
         mirror is corrected by."""
         confirmed = prefix.covering(blocks, cached, prompt)
         return self.mirrors.learn(upstream.id, predicted, confirmed)
+
+    def measure(self, blocks: prefix.PromptBlocks, prompt_tokens: int) -> None:
+        """An engine counted a prompt's tokens: how many bytes a token is, by which a cache
+        size in tokens becomes a mirror's ceiling in blocks (at the next table load)."""
+        self.mirrors.token_bytes.learn(blocks.size, prompt_tokens)
 
     def acquire(self, upstream: Upstream) -> None:
         count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1

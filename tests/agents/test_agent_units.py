@@ -32,7 +32,13 @@ from agents.links import GRPC, WEBSOCKET, GrpcLink, LinkClosed, parse_target
 from agents.plan import fingerprint
 from agents.protocol.codec import encode
 from agents.protocol.messages import DesiredShard, ErrorMessage, Heartbeat
-from agents.protocol.vocabulary import CloseCode, DesiredShardState, Engine, FailureClass
+from agents.protocol.vocabulary import (
+    MAX_ENGINE_COUNT,
+    CloseCode,
+    DesiredShardState,
+    Engine,
+    FailureClass,
+)
 from tests.harness.procs import connections_to
 from tests.harness.waits import await_until
 
@@ -177,6 +183,116 @@ def test_engine_load_is_read_from_vllm_and_sglang_metrics() -> None:
     assert load is not None and (load.running, load.waiting) == (5, 0)
     assert parse_load("python_gc_objects_collected_total 12\n") is None
     assert parse_load("garbage {{{\n") is None
+
+
+# ``CacheConfig.metrics_info()`` as vLLM's PrometheusStatLogger writes it (vllm/config/cache.py,
+# vllm/v1/metrics/loggers.py): every field as a string label of a gauge fixed at 1, the
+# data-parallel engine's index last.
+VLLM_CACHE_LABELS = (
+    'block_size="16",gpu_memory_utilization="0.9",swap_space="4",cache_dtype="auto",'
+    'is_attention_free="False",num_gpu_blocks_override="None",sliding_window="None",'
+    'enable_prefix_caching="True",prefix_caching_hash_algo="sha256",cpu_offload_gb="0",'
+    'calculate_kv_scales="False",num_gpu_blocks="{blocks}",num_cpu_blocks="None",'
+    'engine="{engine}"'
+)
+VLLM_RUNNING = (
+    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{model_name="llama",engine="0"} 2.0\n'
+    'vllm:num_requests_waiting{model_name="llama",engine="0"} 0.0\n'
+)
+
+
+def vllm_cache(*series: str) -> str:
+    return (
+        VLLM_RUNNING
+        + "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        + "# TYPE vllm:cache_config_info gauge\n"
+        + "".join(f"vllm:cache_config_info{{{labels}}} 1.0\n" for labels in series)
+    )
+
+
+def test_a_vllm_engines_cache_is_its_blocks_times_their_size_over_its_engines() -> None:
+    one = parse_load(vllm_cache(VLLM_CACHE_LABELS.format(blocks=2048, engine=0)))
+    assert one is not None and one.cache_tokens == 2048 * 16
+    assert (one.running, one.waiting) == (2, 0)
+    # Data parallel: each engine holds a cache of its own.
+    two = parse_load(vllm_cache(*(VLLM_CACHE_LABELS.format(blocks=1000, engine=e) for e in (0, 1))))
+    assert two is not None and two.cache_tokens == 2 * 1000 * 16
+
+
+def test_a_vllm_engine_that_says_its_cache_in_tokens_is_taken_at_its_word() -> None:
+    """Newer releases add ``kv_cache_size_tokens``: right where blocks times block size is not
+    (a hybrid model's requests take blocks in several cache groups)."""
+    labels = (
+        VLLM_CACHE_LABELS.format(blocks=4000, engine=0)
+        + ',mamba_block_size="528",kv_cache_size_tokens="31488",kv_cache_max_concurrency="3.8"'
+    )
+    load = parse_load(vllm_cache(labels))
+    assert load is not None and load.cache_tokens == 31488
+    unset = VLLM_CACHE_LABELS.format(blocks=4000, engine=0) + ',kv_cache_size_tokens="None"'
+    load = parse_load(vllm_cache(unset))
+    assert load is not None and load.cache_tokens == 4000 * 16
+
+
+def test_an_sglang_engines_cache_counts_each_data_parallel_rank_once() -> None:
+    """SGLang's scheduler labels its gauges by rank: tensor- and pipeline-parallel ranks of
+    one data-parallel rank share one cache; data-parallel ranks have one each."""
+
+    def sample(tp: int, dp: int | None, tokens: str) -> str:
+        rank = "" if dp is None else f',dp_rank="{dp}"'
+        return (
+            f'sglang:max_total_num_tokens{{model_name="qwen",engine_type="unified",'
+            f'tp_rank="{tp}",pp_rank="0"{rank}}} {tokens}\n'
+        )
+
+    head = (
+        "# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV cache pool.\n"
+        "# TYPE sglang:max_total_num_tokens gauge\n"
+    )
+    load_lines = 'sglang:num_running_reqs{model_name="qwen"} 1.0\nsglang:num_queue_reqs 3.0\n'
+    tp = parse_load(head + sample(0, None, "426752.0") + sample(1, None, "426752.0") + load_lines)
+    assert tp is not None and tp.cache_tokens == 426752 and (tp.running, tp.waiting) == (1, 3)
+    dp = parse_load(head + sample(0, 0, "200000.0") + sample(0, 1, "200000.0") + load_lines)
+    assert dp is not None and dp.cache_tokens == 400000
+    none_yet = parse_load(head + sample(0, None, "0.0") + load_lines)
+    assert none_yet is not None and none_yet.cache_tokens is None
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        VLLM_CACHE_LABELS.format(blocks="None", engine=0),  # before profiling
+        VLLM_CACHE_LABELS.format(blocks="NaN", engine=0),
+        VLLM_CACHE_LABELS.format(blocks="-2048", engine=0),
+        VLLM_CACHE_LABELS.format(blocks="+Inf", engine=0),
+        VLLM_CACHE_LABELS.format(blocks="2048", engine=0).replace('"16"', '"sixteen"'),
+        'engine="0"',
+        'block_size="16",num_gpu_blocks="20',  # cut short
+    ],
+)
+def test_a_cache_size_that_is_not_a_number_is_no_size_and_stops_nothing(garbage: str) -> None:
+    load = parse_load(vllm_cache(garbage))
+    assert load is not None and load.cache_tokens is None
+    assert (load.running, load.waiting) == (2, 0)
+
+
+def test_absurd_engine_numbers_are_clamped_to_what_the_protocol_carries() -> None:
+    huge = parse_load(vllm_cache(VLLM_CACHE_LABELS.format(blocks="1e30", engine=0)))
+    assert huge is not None and huge.cache_tokens == MAX_ENGINE_COUNT
+    many = parse_load(
+        vllm_cache(*(VLLM_CACHE_LABELS.format(blocks=2**30, engine=e) for e in range(4)))
+    )
+    assert many is not None and many.cache_tokens == MAX_ENGINE_COUNT
+    odd = parse_load(
+        'vllm:num_requests_running{model_name="a"} 1e30\n'
+        'vllm:num_requests_running{model_name="b"} NaN\n'
+        'vllm:num_requests_waiting{model_name="a\\"b"} -4\n'
+        "vllm:num_requests_waiting +Inf\n"
+        "sglang:max_total_num_tokens 1e400\n"
+    )
+    assert odd is not None
+    assert (odd.running, odd.waiting, odd.cache_tokens) == (MAX_ENGINE_COUNT, 0, None)
 
 
 def test_backoff_doubles_up_to_the_cap_with_jitter_in_the_upper_half() -> None:

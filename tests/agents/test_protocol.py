@@ -68,7 +68,10 @@ SHARD_STATUS = ShardStatus(
 STATUS = Status(
     observed_revision=12,
     observed_epoch=4,
-    shards=(SHARD_STATUS, replace(SHARD_STATUS, shard_id=8, state=ShardState.READY, pid=99)),
+    shards=(
+        SHARD_STATUS,
+        replace(SHARD_STATUS, shard_id=8, state=ShardState.READY, pid=99, cache_tokens=131072),
+    ),
     gpus=GPUS,
     weights=(WeightsReport("org/model", WeightsState.REFUSED, "in use by shard 7"),),
     stale_rejected=2,
@@ -245,6 +248,24 @@ def test_a_bad_hello_is_refused_with_the_field_named(hello: dict[str, Any], word
     error = rejected(json.dumps(body))
     assert error.code is CloseCode.MALFORMED
     assert words in error.message
+
+
+def test_a_status_from_an_agent_that_predates_the_cache_size_reads_as_not_known() -> None:
+    body = json.loads(encode(STATUS))
+    for shard in body["shards"]:
+        del shard["cache_tokens"]
+    status = decode_agent_message(json.dumps(body))
+    assert isinstance(status, Status)
+    assert [s.cache_tokens for s in status.shards] == [None, None]
+
+
+@pytest.mark.parametrize("tokens", [0, -5, 2**31, "131072", 1.5])
+def test_a_cache_size_that_is_no_size_is_refused_with_the_field_named(tokens: object) -> None:
+    body = json.loads(encode(STATUS))
+    body["shards"][1]["cache_tokens"] = tokens
+    error = rejected(json.dumps(body))
+    assert error.code is CloseCode.MALFORMED
+    assert "shards[1].cache_tokens must be an integer from 1 to 2147483647" in error.message
 
 
 def test_unknown_fields_are_ignored_within_a_version() -> None:

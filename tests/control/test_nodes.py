@@ -592,6 +592,36 @@ async def test_a_load_change_between_beats_is_written_at_the_next_beat(
 
 
 @committed
+async def test_an_engines_cache_size_reaches_its_shard_and_an_older_agents_report_leaves_none(
+    fake_clock: FakeClock,
+) -> None:
+    node, _ = await database_sync_to_async(issue_node)("n1")
+    shard = await database_sync_to_async(shard_on)(node)
+    old = await database_sync_to_async(shard_on)(node, port=20002, model="other")
+    session = AgentSession(
+        node_tokens.NodeIdentity(node.pk, "n1"), FakeTransport(), clock=fake_clock
+    )
+    await session.receive(encode(hello()))
+    body = json.loads(
+        encode(
+            Status(
+                observed_revision=0,
+                observed_epoch=0,
+                shards=(
+                    report(shard, ShardState.READY, requests_running=0, cache_tokens=131072),
+                    report(old, ShardState.READY, requests_running=0),
+                ),
+            )
+        )
+    )
+    del body["shards"][1]["cache_tokens"]  # as an agent from before the field sends it
+    await session.receive(json.dumps(body))
+    assert (await Shard.objects.aget(pk=shard.pk)).cache_tokens == 131072
+    older = await Shard.objects.aget(pk=old.pk)
+    assert (older.observed, older.cache_tokens) == ("ready", None)
+
+
+@committed
 async def test_the_session_resyncs_the_full_desired_state_periodically(
     fake_clock: FakeClock, settings: Any
 ) -> None:

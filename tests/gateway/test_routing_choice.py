@@ -20,7 +20,7 @@ from gateway.routing.choice import (
     rendezvous,
     session_key,
 )
-from gateway.routing.mirrors import FLOOR_BLOCKS, Mirror, Mirrors, matches
+from gateway.routing.mirrors import FLOOR_BLOCKS, Mirror, Mirrors, TokenBytes, matches
 from gateway.routing.table import Upstream
 
 A, B, C, D = (Upstream(f"replica:{i}", f"http://10.0.0.{i}:8000") for i in range(1, 5))
@@ -176,6 +176,34 @@ def test_a_restarted_drained_or_departed_upstream_is_forgotten() -> None:
     mirrors.retain({"a": (1, 40)})  # a's cache is now known: 40 blocks
     mirrors.hold("a", tuple(range(10, 100)))
     assert len(mirrors.by_upstream["a"]) == 40
+
+
+def test_an_upstream_whose_whole_cache_is_smaller_than_the_floor_is_remembered_no_larger() -> None:
+    mirrors = Mirrors(default_ceiling=1000)
+    mirrors.retain({"a": (1, 10)})
+    mirrors.hold("a", tuple(range(100)))
+    assert len(mirrors.by_upstream["a"]) == 10
+    assert mirrors.learn("a", predicted=10, confirmed=0).outcome == "denied"
+    assert mirrors.by_upstream["a"].capacity == 10, "its whole cache is the floor"
+
+
+def test_bytes_per_token_start_at_four_and_move_toward_what_engines_count() -> None:
+    size = TokenBytes()
+    assert size.value == 4.0 and size.blocks(1024, 1024) == 4
+    for _ in range(100):
+        size.learn(size=6000, tokens=1000)
+    assert 5.5 < size.value < 6.0
+    assert size.blocks(1024, 1024) == 5  # 1,024 tokens of about six bytes: five full blocks
+    size.learn(size=6000, tokens=0)  # no count: nothing learned
+    size.learn(size=0, tokens=1000)
+    assert 5.5 < size.value < 6.0
+    before = size.value
+    size.learn(size=10**12, tokens=1)  # a count no prompt has moves it one bounded step
+    assert size.value - before <= (16.0 - before) / 32
+    for _ in range(2000):
+        size.learn(size=1, tokens=10**9)
+    assert size.value == pytest.approx(1.0), "never below one byte a token"
+    assert size.blocks(10, 1024) == 1, "a cache is never less than one block"
 
 
 # --------------------------------------------------------------------------- the choice

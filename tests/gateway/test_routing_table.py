@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ValidationError
 
-from control.models import Node, Replica
+from control import serving
+from control.models import Node, Replica, Shard
 from gateway.models import Endpoint
 from gateway.routing.upstreams import load_table
 from tests.harness.factories import serve_model
@@ -75,6 +76,20 @@ def test_a_models_catalog_context_length_reaches_its_route() -> None:
     sized, unsized = load_table().resolve("sized"), load_table().resolve("unsized")
     assert sized is not None and sized.context_length == 4096
     assert unsized is not None and unsized.context_length is None, "left to what the engine says"
+
+
+def test_a_replicas_cache_size_comes_from_its_head_shard_to_its_upstream() -> None:
+    served = serve_model("m", [8001, 8002])
+    sized, unsized = served.replicas
+    Shard.objects.filter(replica=sized, rank=0).update(cache_tokens=32768)
+    snapshot = {r.id: r.cache_tokens for r in serving.routing_snapshot().replicas}
+    assert snapshot == {sized.pk: 32768, unsized.pk: None}
+    route = load_table().resolve("m")
+    assert route is not None
+    assert {u.id: u.cache_tokens for u in route.upstreams} == {
+        f"replica:{sized.pk}": 32768,
+        f"replica:{unsized.pk}": None,  # not reported (an older agent, or an engine without)
+    }
 
 
 def test_each_query_of_a_table_load_reads_one_table() -> None:
