@@ -107,10 +107,17 @@ async def send_answer(response: Response, send: Send) -> None:
 
 
 async def _answer(
-    route: RelayRoute, authorization: bytes | None, body: bytes, clock_start: float
+    route: RelayRoute,
+    authorization: bytes | None,
+    body: bytes,
+    clock_start: float,
+    session: bytes | None,
 ) -> Response:
     key = await _key_or_refusal(authorization)
-    return key if isinstance(key, Response) else await entry.relay(body, key, route, clock_start)
+    if isinstance(key, Response):
+        return key
+    named = session.decode("latin-1") if session else None
+    return await entry.relay(body, key, route, clock_start, session=named)
 
 
 async def _key_or_refusal(authorization: bytes | None) -> KeyInfo | Response:
@@ -132,6 +139,7 @@ async def _relay(
     body: bytes,
     clock_start: float,
     *,
+    session: bytes | None,
     receive: Receive,
     send: Send,
 ) -> None:
@@ -176,7 +184,8 @@ async def _relay(
     listen_later = loop.call_later(LISTEN_AFTER_S, start_listening)
     drain.requests.add(task)
     try:
-        await send_answer(await _answer(route, authorization, body, clock_start), tracked_send)
+        answer = await _answer(route, authorization, body, clock_start, session)
+        await send_answer(answer, tracked_send)
     except asyncio.CancelledError:
         if not hung_up and not drain.cut:
             raise
@@ -255,9 +264,12 @@ class V1App:
             raise ValueError(f"the /v1 application serves HTTP, not {scope['type']}")
         limit = settings.LLMGW_MAX_BODY_BYTES
         authorization: bytes | None = None
+        session: bytes | None = None  # x-session-id: requests that share one share a replica
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
+            elif name == b"x-session-id":
+                session = value
             elif name == b"content-length" and value.isdigit() and int(value) > limit:
                 await send_answer(_refused_body(), send)
                 return
@@ -270,7 +282,9 @@ class V1App:
             return
         route = BY_PATH.get(scope["path"]) if scope["method"] == "POST" else None
         if route is not None:
-            await _relay(route, authorization, body, clock_start, receive=receive, send=send)
+            await _relay(
+                route, authorization, body, clock_start, session=session, receive=receive, send=send
+            )
         elif scope["path"] == "/v1/models" and scope["method"] == "GET":
             # Clients list models often (as a health check, too): no ninja, no Django.
             await send_answer(await _models(authorization), send)
