@@ -25,7 +25,9 @@ import asyncio
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,13 +152,16 @@ def run_cell(
     logs = WORK / "logs" / f"{workload}-{target.name}"
     sims = start_sims(kind, env, logs, WORK / "pycache")
     try:
+        started = time.perf_counter()
         router = target.start(sims.urls, env, key, logs)
+        ready_after = time.perf_counter() - started
         try:
             cell: dict[str, Any] = step(measure(workload, size, router, sims, kind.cache_model))
         finally:
             router.stop()
     finally:
         sims.stop()
+    cell["router_ready_s"] = ready_after
     cell["argv"] = router.argv
     cell["env"] = router.env
     return cell
@@ -191,105 +196,71 @@ def hit_ratio(cell: dict[str, Any]) -> float | None:
     return engine if engine is not None else cell["hit_ratio_usage"]
 
 
-def compare(
-    cells: dict[str, dict[str, Any]],
-    figure: str,
-    key: str,
-    other: str,
-    goal: str,
-    holds: Callable[[float, float], bool],
-    value: Callable[[dict[str, Any]], float | None] | None = None,
-) -> Row:
-    """One goal: llmgw's figure against ``other``'s in the same workload. Unmeasured when a
-    cell is missing or has no such figure; not reached when llmgw's cell had errors (a figure
-    over the requests that failed is no figure)."""
-    ours, theirs = cells.get(OURS), cells.get(other)
+def figure(key: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda cell: cell[key]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One goal of BENCHMARK.md: llmgw's figure in a workload against ``other``'s (or alone,
+    when ``other`` is empty)."""
+
+    workload: str
+    figure: str
+    read: Callable[[dict[str, Any]], float | None]
+    other: str
+    goal: str
+    holds: Callable[[float, float], bool]
+
+
+GOALS = (
+    *(
+        goal
+        for workload in ("shared", "multi-turn")
+        for goal in (
+            Goal(workload, "hit ratio, llmgw / cache_aware", hit_ratio, CACHE_AWARE,
+                 ">= cache_aware's", lambda a, b: a >= b),
+            Goal(workload, "TTFT p50 ms, llmgw / cache_aware", figure("ttft_p50_ms"),
+                 CACHE_AWARE, "<= 0.8x", lambda a, b: a <= 0.8 * b),
+            Goal(workload, "TTFT p99 ms, llmgw / cache_aware", figure("ttft_p99_ms"),
+                 CACHE_AWARE, "<= 1.0x", lambda a, b: a <= b),
+        )
+    ),
+    Goal("shared", "output tok/s, llmgw / round robin", figure("output_tokens_per_s"),
+         ROUND_ROBIN, ">= 2x", lambda a, b: a >= 2 * b),
+    Goal("no-sharing", "TTFT p99 ms, llmgw / least-outstanding", figure("ttft_p99_ms"),
+         LEAST_OUTSTANDING, "<= 1.1x", lambda a, b: a <= 1.1 * b),
+    Goal("hot-prefix", "busiest replica / mean, llmgw", figure("busiest_over_mean"), "",
+         "< 1.3x", lambda a, _: a < 1.3),
+    Goal("hot-prefix", "TTFT p99 ms, llmgw / round robin", figure("ttft_p99_ms"),
+         ROUND_ROBIN, "<= 1.0x", lambda a, b: a <= b),
+)  # fmt: skip
+
+
+def evaluate(goal: Goal, cells: dict[str, dict[str, Any]]) -> Row:
+    """Unmeasured when a cell is missing or lacks the figure; not reached when llmgw's cell
+    had errors (a figure over the requests that failed is no figure)."""
+    name = f"{goal.workload}: {goal.figure}"
+    ours, theirs = cells.get(OURS), cells.get(goal.other) if goal.other else {}
     if ours is None or theirs is None:
-        return (figure, "not run", goal, None)
-    read = value or (lambda cell: cell[key])
-    a, b = read(ours), read(theirs)
+        return (name, "not run", goal.goal, None)
+    a = goal.read(ours)
+    b = goal.read(theirs) if goal.other else 1.0
     if a is None or b is None:
-        return (figure, "n/a (the engines report no cache)", goal, None)
-    measured = f"{a:.2f} / {b:.2f}" if key == "hit" else f"{a:.0f} / {b:.0f} = {a / b:.2f}x"
+        return (name, "n/a (the engines report no cache)", goal.goal, None)
+    if goal.read is hit_ratio:
+        measured = f"{a:.2f} / {b:.2f}"
+    elif goal.other:
+        measured = f"{a:.0f} / {b:.0f} = {a / b:.2f}x"
+    else:
+        measured = f"{a:.2f}x"
     if ours["errors"]:
-        return (figure, f"{measured}, {ours['errors']} errors", goal, False)
-    return (figure, measured, goal, holds(a, b))
+        return (name, f"{measured}, {ours['errors']} errors", goal.goal, False)
+    return (name, measured, goal.goal, goal.holds(a, b))
 
 
 def goals(report: dict[str, Any]) -> list[Row]:
-    cells: dict[str, dict[str, dict[str, Any]]] = report["cells"]
-    rows: list[Row] = []
-    for workload in ("shared", "multi-turn"):
-        got = cells.get(workload, {})
-        rows.append(
-            compare(
-                got,
-                f"{workload}: hit ratio, llmgw / cache_aware",
-                "hit",
-                CACHE_AWARE,
-                ">= cache_aware's",
-                lambda a, b: a >= b,
-                hit_ratio,
-            )
-        )
-        rows.append(
-            compare(
-                got,
-                f"{workload}: TTFT p50 ms, llmgw / cache_aware",
-                "ttft_p50_ms",
-                CACHE_AWARE,
-                "<= 0.8x",
-                lambda a, b: a <= 0.8 * b,
-            )
-        )
-        rows.append(
-            compare(
-                got,
-                f"{workload}: TTFT p99 ms, llmgw / cache_aware",
-                "ttft_p99_ms",
-                CACHE_AWARE,
-                "<= 1.0x",
-                lambda a, b: a <= b,
-            )
-        )
-    rows.append(
-        compare(
-            cells.get("shared", {}),
-            "shared: output tok/s, llmgw / round robin",
-            "output_tokens_per_s",
-            ROUND_ROBIN,
-            ">= 2x",
-            lambda a, b: a >= 2 * b,
-        )
-    )
-    rows.append(
-        compare(
-            cells.get("no-sharing", {}),
-            "no sharing: TTFT p99 ms, llmgw / least-outst.",
-            "ttft_p99_ms",
-            LEAST_OUTSTANDING,
-            "<= 1.1x",
-            lambda a, b: a <= 1.1 * b,
-        )
-    )
-    hot = cells.get("hot-prefix", {})
-    if OURS in hot and hot[OURS]["busiest_over_mean"] is not None:
-        spread = hot[OURS]["busiest_over_mean"]
-        ok = spread < 1.3 and not hot[OURS]["errors"]
-        rows.append(("hot prefix: busiest replica / mean, llmgw", f"{spread:.2f}x", "< 1.3x", ok))
-    else:
-        rows.append(("hot prefix: busiest replica / mean, llmgw", "not run", "< 1.3x", None))
-    rows.append(
-        compare(
-            hot,
-            "hot prefix: TTFT p99 ms, llmgw / round robin",
-            "ttft_p99_ms",
-            ROUND_ROBIN,
-            "<= 1.0x",
-            lambda a, b: a <= b,
-        )
-    )
-    return rows
+    return [evaluate(goal, report["cells"].get(goal.workload, {})) for goal in GOALS]
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -314,10 +285,10 @@ def print_table(report: dict[str, Any]) -> None:
         "(TTFT in ms; busiest: the busiest replica's share of requests; wait: the longest "
         "waiting queue an engine showed)"
     )
-    print(f"\n{'goal':50} {'measured':34} {'goal':16} reached")
+    print(f"\n{'goal':54} {'measured':34} {'goal':16} reached")
     for figure, measured, goal, ok in report["goals_rows"]:
         mark = "" if ok is None else ("yes" if ok else "NO")
-        print(f"{figure:50} {measured:34} {goal:16} {mark}")
+        print(f"{figure:54} {measured:34} {goal:16} {mark}")
 
 
 def parse_args() -> argparse.Namespace:
