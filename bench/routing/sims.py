@@ -2,12 +2,14 @@
 in one table, and what each engine reports about itself (``/metrics``).
 
 The engine is modelled on a real vLLM serving an 8B model on one GPU, scaled down in one place
-only: its KV cache holds 512 blocks of 16 tokens (8,192 tokens), so about five of the eight
-shared system prompts fit on one replica with nothing running and two or three with a full
-batch: round robin keeps evicting them, a router that gives each prompt a home keeps them all.
-Prefill runs at 10,000 tokens a second, one prompt at a time (a 1,500-token miss costs 150 ms,
-the same prompt cached about 5 ms); a decode step takes 12 ms plus 0.25 ms per running sequence
-(20 ms with the 32 sequences ``--max-num-seqs`` allows), more sequences wait in the queue.
+only: its KV cache holds 512 usable blocks of 16 tokens (8,192 tokens; vLLM keeps one more, its
+null block), so about five of the eight shared system prompts fit on one replica with nothing
+running and two or three beside a full batch: round robin keeps evicting them, a router that
+gives each prompt a home keeps them all. The same blocks hold what runs, as on vLLM, so a
+replica given too many long histories at once also queues and preempts. Prefill runs at 10,000
+tokens a second, one prompt at a time (a 1,500-token miss costs 150 ms, the same prompt cached
+about 5 ms); a decode step takes 12 ms plus 0.25 ms per further running sequence (20 ms with
+the 32 sequences ``--max-num-seqs`` allows); more requests wait in the queue.
 
 A ``sim`` without the cache model (its ``--help`` lacks the capacity flag) gets the fallback
 rows instead: a fixed time to first token of one uncached shared prompt and the full batch's
@@ -34,7 +36,8 @@ REPLICAS = 4
 
 # --- the engine, in one table -------------------------------------------------------------------
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default)
-KV_BLOCKS = 512  # KV capacity per replica, in blocks: 8,192 tokens
+KV_BLOCKS = 513  # KV capacity per replica: 512 usable blocks (8,192 tokens) and the null block
+MAX_MODEL_LEN = 8_192  # what the cache holds (vLLM refuses a longer one for that cache)
 PREFILL_TOKENS_PER_S = 10_000.0  # uncached prompt tokens a second, one prefill at a time
 DECODE_STEP_MS = 12.0  # one decode step with one sequence running
 DECODE_STEP_MS_PER_SEQ = 0.25  # what each further running sequence adds to a step
@@ -64,19 +67,21 @@ SIM_SETTINGS: tuple[SimSetting, ...] = (
         KV_BLOCKS,
         "KV capacity: ~5 of the 8 shared prompts when idle, 2-3 beside a full batch",
     ),
+    SimSetting("--max-model-len", MAX_MODEL_LEN, "no longer than the cache holds"),
     SimSetting("--max-num-seqs", MAX_NUM_SEQS, "the decode batch; more requests wait"),
     SimSetting(
         "--prefill-tokens-per-s",
         PREFILL_TOKENS_PER_S,
         "an 8B model on one GPU: a 1,500-token miss costs 150 ms",
     ),
-    SimSetting("--decode-step-ms", DECODE_STEP_MS, "one sequence's decode step"),
+    SimSetting("--itl-ms", DECODE_STEP_MS, "a decode step with one sequence running"),
     SimSetting(
-        "--decode-step-ms-per-seq",
+        "--itl-ms-per-seq",
         DECODE_STEP_MS_PER_SEQ,
         "the step grows with the batch: 20 ms at 32 sequences",
     ),
-    # Today's sim, without a cache: every request pays one shared prompt's miss.
+    # A sim without a cache: every request pays one shared prompt's miss, then a full batch's
+    # steps.
     SimSetting(
         "--ttft-ms",
         round(1_500 / PREFILL_TOKENS_PER_S * 1000),

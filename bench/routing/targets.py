@@ -1,7 +1,10 @@
 """The routers under test, each started fresh in front of four fresh engines.
 
-- ``llmgw``: ``manage.py run --router-only --web-processes 2`` (two web processes on one port,
-  as deployed) serving the four engines as ``LLMGW_STATIC_ENDPOINTS``, with its default routing;
+- ``llmgw``: two web processes on one listening socket, started as ``manage.py run
+  --router-only --web-processes 2`` starts them (the launcher's socket and argv), serving the
+  four engines as ``LLMGW_STATIC_ENDPOINTS``, with its default routing. The bench waits until
+  both say they accept (``--ready-fd``, as the launcher does): a process still loading while
+  the load begins would take its first connections cold;
 - ``llmgw-least-outstanding``: the same with ``LLMGW_ROUTING_POLICY=least_outstanding``;
 - ``sglang-cache-aware`` / ``sglang-round-robin``: SGLang's Model Gateway (the Rust
   ``sglang-router``, pinned), ``--policy cache_aware`` with its default thresholds, and
@@ -12,6 +15,9 @@
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.routing.sims import MODEL
+from llmgw_site import launcher
+from telemetry import metrics
 from tests.harness.procs import REPO_ROOT, Proc, free_port
 
 SGLANG_ROUTER_VERSION = "0.3.2"
@@ -31,16 +39,19 @@ LLMGW_WEB_PROCESSES = 2
 
 @dataclass
 class Running:
-    """A started router: where clients call it, with which key, and its process."""
+    """A started router: where clients call it, with which key, and its processes."""
 
     url: str
     key: str
-    proc: Proc
+    procs: list[Proc]
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # what it was given beyond the bench's
 
     def stop(self) -> None:
-        self.proc.stop()
+        for proc in self.procs:  # all told at once, so they drain side by side
+            proc.signal(signal.SIGTERM)
+        for proc in self.procs:
+            proc.stop()
 
 
 Starter = Callable[[Sequence[str], Mapping[str, str], str, Path], Running]
@@ -72,23 +83,54 @@ def wait_ready(proc: Proc, path: str, ready: Callable[[int, bytes], bool], timeo
     raise RuntimeError(f"{proc.name} not ready on {path} after {timeout:.0f}s:\n{proc.tail()}")
 
 
+def wait_accepting(proc: Proc, ready: int, timeout: float) -> None:
+    """Until the web process writes its byte to ``ready``; fail with its log if it exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.running():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        readable, _, _ = select.select([ready], [], [], 0.5)
+        if readable:
+            if os.read(ready, 1) == b"1":
+                return
+            raise RuntimeError(f"{proc.name} closed its ready pipe:\n{proc.tail()}")
+    raise RuntimeError(f"{proc.name} not accepting after {timeout:.0f}s:\n{proc.tail()}")
+
+
 def llmgw(extra: Mapping[str, str]) -> Starter:
-    """llmgw router-only, as an operator starts it, with ``extra`` in its environment."""
+    """llmgw router-only, with ``extra`` in its environment."""
 
     def start(urls: Sequence[str], env: Mapping[str, str], key: str, log_dir: Path) -> Running:
-        port = free_port()
         endpoints = " ".join(f"sim{i}={url}={MODEL}" for i, url in enumerate(urls, 1))
-        argv = [sys.executable, str(REPO_ROOT / "manage.py"), "run", "--router-only"]
-        argv += ["--web-processes", str(LLMGW_WEB_PROCESSES)]
-        argv += ["--host", "127.0.0.1", "--port", str(port)]
         given = {"LLMGW_STATIC_ENDPOINTS": endpoints, **extra}
-        proc = Proc("llmgw", argv, log_dir, {**env, **given}, port=port).start()
+        environ = {**env, **given}
+        metrics.reset_multiprocess_dir()  # this process has Django set up: the same folder
+        listener = launcher.bind_listener("127.0.0.1", 0)
+        port = int(listener.getsockname()[1])
+        argv = launcher.web_command({"client": listener.fileno()})
+        procs: list[Proc] = []
+        pipes: list[int] = []
         try:
-            wait_ready(proc, "/healthz", lambda status, _: status == 200, timeout=120)
+            for n in range(1, LLMGW_WEB_PROCESSES + 1):
+                ready, write_end = os.pipe()
+                pipes.append(ready)
+                web_argv = [*argv, "--ready-fd", str(write_end)]
+                proc = Proc(f"llmgw-web{n}", web_argv, log_dir, environ, port=port)
+                procs.append(proc)
+                try:
+                    proc.start(pass_fds=(listener.fileno(), write_end))
+                finally:
+                    os.close(write_end)
+            for proc, ready in zip(procs, pipes, strict=True):
+                wait_accepting(proc, ready, timeout=120)
         except BaseException:
-            proc.stop()
+            Running("", key, procs, argv).stop()
             raise
-        return Running(proc.url, key, proc, argv, dict(extra))
+        finally:
+            listener.close()  # the children have it: when they go, connections are refused
+            for ready in pipes:
+                os.close(ready)
+        return Running(f"http://127.0.0.1:{port}", key, procs, argv, dict(given))
 
     return start
 
@@ -151,7 +193,7 @@ def sglang(policy: str) -> Starter:
         except BaseException:
             proc.stop()
             raise
-        return Running(proc.url, "", proc, argv)
+        return Running(proc.url, "", [proc], argv)
 
     return start
 

@@ -160,10 +160,11 @@ FULL = Size(
     no_sharing_requests=240,
     hot_requests=400,
 )
+# Quick: the same pressure on the caches (sessions at once, rates), for less time.
 QUICK = Size(
     shared_requests=96,
     sessions=24,
-    sessions_at_once=12,
+    sessions_at_once=24,
     no_sharing_requests=60,
     hot_requests=120,
 )
