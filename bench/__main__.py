@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -41,7 +40,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from bench import control, django_on
+from bench import control, fresh_store
 from bench.held import HeldStream, held_stream
 from tests.harness.procs import Proc, free_port, web_process
 
@@ -225,13 +224,7 @@ def start_targets(stack: Stack, env: dict[str, str]) -> None:
 
 def prepare() -> tuple[dict[str, str], str]:
     """A fresh SQLite store with one key; the environment every process gets."""
-    shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True)
-    env = django_on(f"sqlite:///{WORK / 'bench.sqlite3'}", WORK)
-    from tests.harness.factories import make_key
-
-    key, _ = make_key("bench")
-    return env, key
+    return fresh_store(WORK, "bench")
 
 
 def started(start: Callable[[Stack, dict[str, str]], object]) -> Stack:

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from bench import django_on
+from bench import fresh_store
 from bench.__main__ import pct
 from bench.routing.sims import (
     REPLICAS,
@@ -55,17 +54,6 @@ from tests.harness.procs import REPO_ROOT
 WORK = REPO_ROOT / "var" / "bench-routing"
 JSON_OUT = REPO_ROOT / "var" / "bench-routing.json"
 WARM_UP_REQUESTS = 8
-
-
-def prepare() -> tuple[dict[str, str], str]:
-    """A fresh SQLite store with one key for llmgw; the environment every process gets."""
-    shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True)
-    env = django_on(f"sqlite:///{WORK / 'routing.sqlite3'}", WORK)
-    from tests.harness.factories import make_key
-
-    key, _ = make_key("bench-routing")
-    return env, key
 
 
 async def warm_up(client: Client) -> None:
@@ -323,7 +311,7 @@ def main() -> None:
     args = parse_args()
     workloads = args.workload or list(WORKLOADS)
     targets = [t for t in TARGETS if not args.target or t.name in args.target]
-    env, key = prepare()
+    env, key = fresh_store(WORK, "bench-routing")
     kind = detect(args.sim_source, env, WORK / "pycache")
     from django.conf import settings
 
