@@ -9,9 +9,10 @@ pseudo-words (the sim counts a word as a token), so every target gets the very s
   and a question of its own; closed loop, 64 clients, so the engines are busy and a miss's
   prefill holds up the requests behind it.
 - ``multi-turn``: 100 sessions of 6 turns; each turn resends the whole history, previous
-  answers included. All sessions share the application's short system prompt and open with a
-  document of their own; 24 sessions run at a time (as one ends the next begins), so together
-  their histories fill the fleet's caches only if each stays on one replica.
+  answers included. Each session opens with a document of its own (500 tokens) after a
+  one-line system prompt (what sessions share is the ``shared`` workload's subject, not this
+  one's); 24 sessions run at a time (as one ends the next begins), so their histories fit the
+  fleet's caches only if each session stays on one replica.
 - ``no-sharing``: prompts of 800 tokens that share nothing, open loop (Poisson arrivals) at 60%
   of what four replicas prefill.
 - ``hot-prefix``: one 1,500-token prefix for every request, open loop at twice what one replica
@@ -174,8 +175,8 @@ SHARED_PROMPT_TOKENS = 1_500
 SHARED_CLIENTS = 64
 SHARED_ANSWER_TOKENS = 48
 TURNS = 6
-APP_PROMPT_TOKENS = 150  # the chat application's system prompt, in every session
-SESSION_DOCUMENT_TOKENS = 200  # what each session opens with
+APP_PROMPT = "You are the help desk of the product. Answer briefly."
+SESSION_DOCUMENT_TOKENS = 500  # what each session opens with
 TURN_ANSWER_TOKENS = 64
 NO_SHARING_PROMPT_TOKENS = 800
 NO_SHARING_ANSWER_TOKENS = 48
@@ -255,7 +256,6 @@ async def shared(send: Send, size: Size) -> Run:
 
 async def multi_turn(send: Send, size: Size) -> Run:
     words = Words(seed=2)
-    app_prompt = "You are the help desk of the product. " + words.text(APP_PROMPT_TOKENS)
     sessions = []
     for n in range(size.sessions):
         opening = f"Session {n}. Read this first: " + words.text(SESSION_DOCUMENT_TOKENS)
@@ -266,7 +266,7 @@ async def multi_turn(send: Send, size: Size) -> Run:
 
     async def session(opening: str, questions: list[str]) -> None:
         async with gate:
-            history: list[Message] = [{"role": "system", "content": app_prompt}]
+            history: list[Message] = [{"role": "system", "content": APP_PROMPT}]
             for turn, question in enumerate(questions):
                 content = f"{opening}\n\n{question}" if turn == 0 else question
                 history.append({"role": "user", "content": content})
