@@ -164,8 +164,8 @@ def print_cell(workload: str, target: str, cell: dict[str, Any]) -> None:
     )
 
 
-def ratio(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+def ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 # --- the goals (shared/BENCHMARK.md) -----------------------------------------------------------

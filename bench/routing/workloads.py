@@ -34,7 +34,7 @@ import aiohttp
 from bench.routing.sims import MAX_NUM_SEQS, MODEL, PREFILL_TOKENS_PER_S, REPLICAS, step_ms
 
 Message = dict[str, str]
-REQUEST_TIMEOUT_S = 300.0  # one request, first byte to last; a hot replica's queue may be long
+REQUEST_TIMEOUT_S = 300.0  # one request, sent to its last byte: a hot replica's queue may be long
 
 
 @dataclass
