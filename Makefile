@@ -10,14 +10,14 @@ TEST_STAMP := $(VENV)/.installed-test
 LLAMA_STAMP := $(VENV)/.installed-llamacpp
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
-typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
+typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
 # The suite starts hundreds of Python processes. Where the environment says not to write
 # bytecode (PYTHONDONTWRITEBYTECODE=1), each of them compiled our modules again as it started
 # (0.25 CPU-s a process, measured here), and each pytest process the test modules; the passes
 # keep Python's caches (__pycache__, ignored by git).
 pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres: export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
+.PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -106,6 +106,12 @@ test: $(TEST_STAMP)
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench
+
+# Routing over four sim replicas with prefix caches: llmgw side by side with SGLang's Model
+# Gateway (installed into var/sglang-router-venv on first use, never a dependency of ours).
+# A few minutes; BENCH_ROUTING_ARGS="--quick", "--workload shared", "--target llmgw" ...
+bench-routing: $(RUN_STAMP)
+	$(PY) -m bench.routing $(BENCH_ROUTING_ARGS)
 
 # The control plane at fleet scale (1,000 simulated nodes, PostgreSQL + Redis); about 15
 # minutes with the default hour-slope sample of 10 minutes. BENCH_FLEET_ARGS=--duration 60 ...

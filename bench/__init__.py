@@ -4,6 +4,7 @@ plane's cold start and failover. Run with ``python -m bench``."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -52,3 +53,15 @@ def django_on(database_url: str, var_dir: Path) -> dict[str, str]:
 
     call_command("migrate", verbosity=0)
     return env
+
+
+def fresh_store(work: Path, user: str) -> tuple[dict[str, str], str]:
+    """``work`` emptied, a SQLite store in it (migrated) with one key of ``user``'s; the
+    environment every process the benchmark starts gets, and the key."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = django_on(f"sqlite:///{work / (user + '.sqlite3')}", work)
+    from tests.harness.factories import make_key
+
+    key, _ = make_key(user)
+    return env, key

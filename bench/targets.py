@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import django_on
+from bench import fresh_store
 from tests.harness.procs import Proc, free_port, web_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,13 +195,7 @@ def start_targets(stack: Stack, env: dict[str, str]) -> None:
 
 def prepare() -> tuple[dict[str, str], str]:
     """A fresh SQLite store with one key; the environment every process gets."""
-    shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True)
-    env = django_on(f"sqlite:///{WORK / 'bench.sqlite3'}", WORK)
-    from tests.harness.factories import make_key
-
-    key, _ = make_key("bench")
-    return env, key
+    return fresh_store(WORK, "bench")
 
 
 def started(start: Callable[[Stack, dict[str, str]], object]) -> Stack:
