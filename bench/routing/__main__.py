@@ -33,8 +33,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from bench import fresh_store
-from bench import percentile as pct
+from bench import fresh_store, percentile
 from bench.routing.sims import (
     REPLICAS,
     SIM_SETTINGS,
@@ -95,8 +94,8 @@ def figures(
         "errors": len(run.outcomes) - len(ok),
         "error_kinds": errors[:5],
         "seconds": run.seconds,
-        "ttft_p50_ms": pct(ttfts, 0.5),
-        "ttft_p99_ms": pct(ttfts, 0.99),
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p99_ms": percentile(ttfts, 0.99),
         "output_tokens_per_s": sum(o.completion_tokens for o in ok) / max(1e-9, run.seconds),
         "hit_ratio_engine": hits / queries if counted and queries else None,
         "hit_ratio_usage": cached / prompt if cache_model and prompt else None,
