@@ -293,3 +293,50 @@ class SignInLink(models.Model):
     def __str__(self) -> str:
         state = "used" if self.used_at else f"until {self.expires_at:%Y-%m-%d %H:%M}"
         return f"sign-in link for {self.user} ({state})"
+
+
+class SsoIdentity(models.Model):
+    """Who a user is at a single sign-on provider: its issuer, and the subject (``sub``) it
+    names them by, bound at their first sign-in through it (``gateway.identity.sso_accounts``).
+    Sign-ins are matched on this alone: names and emails at a provider change, and at some
+    providers anybody chooses them."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sso_identities"
+    )
+    issuer = models.CharField(max_length=255)
+    subject = models.CharField(max_length=255)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        verbose_name = "single sign-on identity"
+        verbose_name_plural = "single sign-on identities"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["issuer", "subject"], name="gateway_one_account_per_sso_subject"
+            ),
+            models.UniqueConstraint(
+                fields=["issuer", "user"], name="gateway_one_sso_subject_per_account"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} is {self.subject} at {self.issuer}"
+
+
+class SsoLinkName(models.Model):
+    """The name at the single sign-on provider that an operator gave a provisioned account: the
+    first sign-in whose ``preferred_username`` it is binds the account, once (the row then
+    goes). For providers whose names are the operator's to give and that vouch for no email."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sso_link_name"
+    )
+    provider_username = models.CharField(max_length=255, unique=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        verbose_name = "single sign-on link name"
+
+    def __str__(self) -> str:
+        return f"{self.user} is linked by the provider's {self.provider_username!r}"

@@ -50,6 +50,12 @@ class UserPatch(Strict):
 
 class UserIn(UserPatch):
     username: str = Field(min_length=1, max_length=150, pattern=r"^[\w.@+-]+$")
+    sso_username: str = Field(
+        "",
+        max_length=255,
+        description="Their name at the single sign-on provider, whose first sign-in links "
+        "this account (else a verified email does).",
+    )
 
 
 class TeamOut(Schema):
@@ -112,6 +118,7 @@ def create_user(request: HttpRequest, payload: UserIn) -> Any:
             is_staff=bool(payload.is_staff),
             is_active=payload.is_active is not False,
             teams=payload.teams or [],
+            sso_username=payload.sso_username,
         )
     except (gateway_people.Conflict, gateway_people.Missing, gateway_people.PersonInvalid) as exc:
         raise _people_error(exc) from None
