@@ -120,7 +120,8 @@ def test_a_read_only_token_reads_but_cannot_write(reader: Api) -> None:
 def test_a_staff_session_reads_and_a_superuser_writes_only_with_csrf() -> None:
     make_node("gpu-1")
     staff = Client(enforce_csrf_checks=True)
-    staff.force_login(make_user("ops", staff=True))
+    # Reads need the view permission the admin's pages need (tests/site/test_admin_permissions).
+    staff.force_login(make_user("ops", staff=True, perms=["control.view_node"]))
     assert staff.get(f"{BASE}/nodes").status_code == 200
     assert staff.post(f"{BASE}/nodes/gpu-1/cordon").json()["error"]["code"] == "csrf_failed"
 

@@ -11,6 +11,7 @@ from ninja import Field, Query, Router, Schema
 from ninja.pagination import paginate
 
 from gateway.ledger import reports
+from llmgw_site.admin_api.auth import reads
 from llmgw_site.admin_api.pagination import Page
 
 router = Router(tags=["usage"])
@@ -35,7 +36,7 @@ class UsageRow(Schema):
     total_tokens: int
 
 
-@router.get("/usage", response=list[UsageRow])
+@router.get("/usage", response=list[UsageRow], auth=reads("gateway.view_usagerecord"))
 @paginate(Page)
 def usage(request: HttpRequest, query: Query[UsageQuery]) -> Any:
     """Requests, errors and tokens per group over the period, largest token use first (days:
