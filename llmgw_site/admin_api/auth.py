@@ -64,7 +64,16 @@ class Caller:
             return True  # a token reads every route, whatever its scope
         if not permissions:
             return bool(getattr(self.user, "is_superuser", False))
-        return bool(self.user.has_perms(permissions))  # type: ignore[attr-defined]
+        return all(_may_view(self.user, p) for p in permissions)
+
+
+def _may_view(user: AbstractBaseUser, permission: str) -> bool:
+    """As the admin's pages decide (``ModelAdmin.has_view_permission``): the view permission,
+    or the change permission, which implies it."""
+    app_label, _, codename = permission.partition(".")
+    change = f"{app_label}.change_{codename.removeprefix('view_')}"
+    has_perm = user.has_perm  # type: ignore[attr-defined]
+    return bool(has_perm(permission) or (codename.startswith("view_") and has_perm(change)))
 
 
 def _credentials(token: str) -> dict[str, str]:

@@ -123,6 +123,15 @@ def test_staff_with_the_view_permission_read_that_route_and_no_other(
         assert client.get(url(route, rows)).status_code == 403, missing
 
 
+def test_the_change_permission_implies_the_view_permission_as_in_the_admin(
+    rows: dict[str, str],
+) -> None:
+    client = session("control.change_node")
+    assert client.get(url("/nodes", rows)).status_code == 200
+    assert client.get("/admin/control/node/").status_code == 200
+    assert client.get(url("/replicas", rows)).status_code == 403
+
+
 def env_of(client: Client, rows: dict[str, str]) -> list[dict[str, str]]:
     """The profile's environment as each route that shows it shows it."""
     one = client.get(url("/profiles/{name}", rows)).json()["env"]

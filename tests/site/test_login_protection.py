@@ -7,6 +7,7 @@ ledger. One-time sign-in links: tests/site/test_signin_links.py."""
 from __future__ import annotations
 
 import io
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -341,3 +342,31 @@ def test_a_claim_that_lost_a_race_reads_again_and_never_shares_a_slot() -> None:
     # Rows whose time has passed are dropped by the next claim, whoever it is for.
     assert pacing.claim("bob", now + timedelta(hours=1), pace) == timedelta(0)
     assert list(SignInPace.objects.values_list("username", flat=True)) == ["bob"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claims_racing_from_many_addresses_at_once_take_one_slot_each() -> None:
+    """Sixteen attempts at one instant for an account with a burst of five: five go ahead,
+    whatever the interleaving (compare-and-set), and the rest are told to wait."""
+    from django.db import connection
+
+    pace = pacing.Pace(interval=timedelta(seconds=300), burst=5)
+    now = timezone.now()
+    start = threading.Barrier(16)
+    waits: list[timedelta] = []
+
+    def racer() -> None:
+        try:
+            start.wait()
+            waits.append(pacing.claim("admin", now, pace))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=racer) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(waits) == 16
+    assert sum(1 for w in waits if w == timedelta(0)) == 5
+    assert SignInPace.objects.get(username="admin").due_at == now + 5 * pace.interval
