@@ -11,6 +11,7 @@ from ``llmgw_site.views.dashboard_data``, polled by the page.
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
 from django import forms
@@ -72,6 +73,10 @@ class ProfileForm(forms.ModelForm[Profile]):
 
 @admin.register(Profile)
 class ProfileAdmin(admin.ModelAdmin[Profile]):
+    """Profiles. The environment holds secrets (``HF_TOKEN``): a superuser sees and edits it;
+    everybody else sees it masked and cannot change it, since changing it (``HF_ENDPOINT``)
+    could send the secrets elsewhere."""
+
     form = ProfileForm
     list_display = [
         "name",
@@ -83,6 +88,22 @@ class ProfileAdmin(admin.ModelAdmin[Profile]):
     ]
     list_filter = ["engine"]
     search_fields = ["name"]
+
+    def get_fields(self, request: HttpRequest, obj: Profile | None = None) -> Any:
+        fields = [f for f in super().get_fields(request, obj) if f != "masked_env"]
+        if getattr(request.user, "is_superuser", False):
+            return fields
+        return ["masked_env" if f == "env" else f for f in fields]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Profile | None = None) -> list[str]:
+        readonly = list(super().get_readonly_fields(request, obj))
+        return (
+            readonly if getattr(request.user, "is_superuser", False) else [*readonly, "masked_env"]
+        )
+
+    @admin.display(description="env")
+    def masked_env(self, obj: Profile) -> str:
+        return json.dumps(profiles.masked_env(obj.env or {}), indent=2)
 
     # Django's delete pages refuse a profile in use before they get here (the models' PROTECT);
     # InUse is a replica placed under it in between, said instead of a server error.

@@ -256,3 +256,87 @@ class LimitCounter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}={self.used}"
+
+
+class SignInPace(models.Model):
+    """How fast passwords may be tried for one account, from all addresses together
+    (``gateway.identity.pacing``): the account's next attempt is due at ``due_at`` (the
+    theoretical arrival time of the generic cell rate algorithm). A row whose ``due_at`` has
+    passed means the same as no row, so such rows are deleted whenever convenient."""
+
+    username = models.CharField(max_length=255, unique=True)
+    due_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        verbose_name = "sign-in pace"
+
+    def __str__(self) -> str:
+        return f"{self.username}: next attempt due {self.due_at:%Y-%m-%d %H:%M:%S}"
+
+
+class SignInLink(models.Model):
+    """A one-time sign-in link for one user, printed by ``manage.py signin_link``: the way in
+    for an administrator whose password sign-in is locked or paced. Only the token's SHA-256 is
+    stored; the link works once, until ``expires_at``."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    created_by = models.CharField(max_length=200, help_text="Who printed it.")
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "one-time sign-in link"
+
+    def __str__(self) -> str:
+        state = "used" if self.used_at else f"until {self.expires_at:%Y-%m-%d %H:%M}"
+        return f"sign-in link for {self.user} ({state})"
+
+
+class SsoIdentity(models.Model):
+    """Who a user is at a single sign-on provider: its issuer, and the subject (``sub``) it
+    names them by, bound at their first sign-in through it (``gateway.identity.sso_accounts``).
+    Sign-ins are matched on this alone: names and emails at a provider change, and at some
+    providers anybody chooses them."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sso_identities"
+    )
+    issuer = models.CharField(max_length=255)
+    subject = models.CharField(max_length=255)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        verbose_name = "single sign-on identity"
+        verbose_name_plural = "single sign-on identities"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["issuer", "subject"], name="gateway_one_account_per_sso_subject"
+            ),
+            models.UniqueConstraint(
+                fields=["issuer", "user"], name="gateway_one_sso_subject_per_account"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} is {self.subject} at {self.issuer}"
+
+
+class SsoLinkName(models.Model):
+    """The name at the single sign-on provider that an operator gave a provisioned account: the
+    first sign-in whose ``preferred_username`` it is binds the account, once (the row then
+    goes). For providers whose names are the operator's to give and that vouch for no email."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sso_link_name"
+    )
+    provider_username = models.CharField(max_length=255, unique=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+
+    class Meta:
+        verbose_name = "single sign-on link name"
+
+    def __str__(self) -> str:
+        return f"{self.user} is linked by the provider's {self.provider_username!r}"

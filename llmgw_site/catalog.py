@@ -10,6 +10,11 @@ Fields come from the models' own metadata (every editable column), so a field ad
 is exported and imported without touching this module. A profile is checked as the agent would
 check it (``control.profiles``) before it is written.
 
+Secrets in profile environments are exported masked unless the caller may see them (a
+superuser, a read-write admin token, ``export_catalog --with-secrets``); importing a masked
+value keeps the secret stored under that name, so a masked export applied back changes nothing,
+and a masked value with no stored secret behind it is refused.
+
 It lives at the site level because one file spans both apps: profiles and models are the
 control plane's, static endpoints the gateway's.
 """
@@ -25,7 +30,7 @@ from django.core.exceptions import ValidationError
 from django.db import models, transaction
 
 from control.models import Profile, ProfileScale, ServedModel
-from control.profiles import wire_problems
+from control.profiles import MaskedValue, masked_env, unmasked_env, wire_problems
 from gateway.models import Endpoint
 
 FORMAT_VERSION = 1
@@ -60,9 +65,20 @@ def _values(row: models.Model, columns: Iterable[models.Field[Any, Any]]) -> dic
     return {f.name: f.value_from_object(row) for f in columns}
 
 
-def export() -> dict[str, Any]:
-    """The whole catalog as plain data, in a stable order."""
-    profiles = [_values(p, _columns(Profile)) for p in Profile.objects.order_by("name")]
+def profile_values(profile: Profile, *, reveal_secrets: bool) -> dict[str, Any]:
+    """A profile's exported fields; its environment's secrets masked unless ``reveal_secrets``."""
+    values = _values(profile, _columns(Profile))
+    if not reveal_secrets:
+        values["env"] = masked_env(values["env"] or {})
+    return values
+
+
+def export(*, reveal_secrets: bool) -> dict[str, Any]:
+    """The whole catalog as plain data, in a stable order; secrets in profile environments
+    masked unless ``reveal_secrets``."""
+    profiles = [
+        profile_values(p, reveal_secrets=reveal_secrets) for p in Profile.objects.order_by("name")
+    ]
     served = []
     for model in ServedModel.objects.select_related("default_profile").prefetch_related(
         "profiles", "scales__profile"
@@ -90,8 +106,10 @@ def export() -> dict[str, Any]:
     }
 
 
-def export_yaml() -> str:
-    return yaml.safe_dump(export(), sort_keys=False, allow_unicode=True)
+def export_yaml(*, reveal_secrets: bool) -> str:
+    return yaml.safe_dump(
+        export(reveal_secrets=reveal_secrets), sort_keys=False, allow_unicode=True
+    )
 
 
 # --------------------------------------------------------------------------- import
@@ -246,11 +264,17 @@ def _save(row: models.Model, changes: dict[str, Change], label: str, result: Imp
 
 def _import_profiles(entries: list[Mapping[str, Any]], result: ImportResult) -> None:
     columns = _columns(Profile)
-    for i, entry in enumerate(entries):
+    for i, given in enumerate(entries):
         path = f"profiles[{i}]"
-        name = _name(entry, "name", path, path)
+        name = _name(given, "name", path, path)
         where = f"profile {name}"
         row = Profile.objects.filter(name=name).first() or Profile(name=name)
+        entry = dict(given)
+        if isinstance(entry.get("env"), dict):
+            try:
+                entry["env"] = unmasked_env(entry["env"], row.env or {})
+            except MaskedValue as exc:
+                raise CatalogError(f"{where}: env {exc}", field=f"{path}.env.{exc.name}") from None
         changes = _assign(row, entry, columns, where, path)
         _validate(row, where, path)
         problems = wire_problems(

@@ -478,13 +478,17 @@ STATIC_ROOT = VAR_DIR / "static"
 LOGIN_URL = "/admin/login/"
 
 # --- sign-in protection (django-axes) ------------------------------------------------------------
-# Failed sign-ins are counted per account and per address (either reaching the limit locks),
-# at /admin/login/, /account/login/ and on the admin API's tokens; a lockout ends after the
-# cool-off or when an administrator lifts it (admin: Axes > Access attempts, or
-# `manage.py axes_reset_username NAME` / `axes_reset_ip ADDRESS`).
+# Failed sign-ins are counted per (account, address) and per address (either reaching the limit
+# locks), at /admin/login/, /account/login/ and on the admin API's tokens; an account tried from
+# many addresses is paced, never locked (llmgw_site.signin). A lockout ends after the cool-off
+# or when an administrator lifts it (admin: Axes > Access attempts, or
+# `manage.py axes_reset_username NAME` / `axes_reset_ip ADDRESS`); `manage.py signin_link NAME`
+# prints a one-time way in that neither locks nor pace can stop.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",  # first: refuses a locked-out sign-in outright
     "django.contrib.auth.backends.ModelBackend",
+    # Keeps the sessions of one-time sign-in links (never authenticates anything itself).
+    "gateway.identity.signin_links.LinkBackend",
 ]
 # Local passwords; off leaves only single sign-on (below).
 LLMGW_PASSWORD_LOGIN: bool = _read(env_bool, "LLMGW_PASSWORD_LOGIN", True)
@@ -494,9 +498,19 @@ AXES_FAILURE_LIMIT: int = _read(env_int, "LLMGW_LOGIN_FAILURE_LIMIT", 10, minimu
 AXES_COOLOFF_TIME = timedelta(
     minutes=_read(env_float, "LLMGW_LOGIN_LOCKOUT_MINUTES", 60.0, minimum=0.01)
 )
-AXES_LOCKOUT_PARAMETERS = "llmgw_site.signin.lockout_parameters"  # admin tokens: per address
+# Passwords: (account, address) and address; admin tokens: address.
+AXES_LOCKOUT_PARAMETERS = "llmgw_site.signin.lockout_parameters"
+AXES_HANDLER = "llmgw_site.signin.SignInHandler"  # axes' database handler, and the pace
+# A refused attempt is no guess: counted, it would let an attacker keep a lockout or a pace
+# going for ever by trying on.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "llmgw_site.signin.lockout_response"
+# An account tried from many addresses: one attempt per this long once its burst (twice the
+# failure limit) is spent; its owner never waits longer than this after the last attempt.
+LLMGW_LOGIN_PACE = timedelta(
+    seconds=_read(env_float, "LLMGW_LOGIN_PACE_SECONDS", 300.0, minimum=1.0)
+)
 # Behind a proxy the client's address is in its header; axes reads REMOTE_ADDR otherwise.
 
 # --- single sign-on (OpenID Connect, llmgw_site.sso); off unless LLMGW_OIDC_ISSUER is set ------

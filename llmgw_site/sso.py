@@ -6,10 +6,14 @@ a provider that is down at start-up does not stop llmgw from starting. The code 
 PKCE and a nonce; the ID token's signature (the provider's JWKS), expiry, issuer and audience
 are checked.
 
-Users are created on first sign-in. Their name is the ``preferred_username`` claim (else the
-email, else one derived from the subject). A local account with a usable password is never
-taken over by a sign-in that claims its name: only accounts without a password (made by a
-previous sign-in, or by the admin API for provisioning) are matched. On every sign-in the
+Each account is bound to the provider's issuer and subject (``sub``) at its first sign-in, and
+sign-ins are matched on that alone afterwards (``gateway.identity.sso_accounts``): never on a
+name or an email, which some providers let anybody choose. A first sign-in links a provisioned
+account (made without a password by the admin API or ``manage.py create_user``) only through
+the provider name an operator gave it or an email the provider says it verified; otherwise it
+gets a new account named after its ``preferred_username`` (else its email, else its subject),
+or, if another account has that name, a refusal. A local account with a usable password is
+never signed in by a sign-in that claims its name. On every sign-in the
 provider's group claim decides staff and superuser (``LLMGW_OIDC_STAFF_GROUPS``,
 ``LLMGW_OIDC_SUPERUSER_GROUPS``) and the user's teams: the claim's groups that are teams
 (created when ``LLMGW_OIDC_CREATE_TEAMS``). The provider is the source of truth for people
@@ -41,6 +45,8 @@ from mozilla_django_oidc.views import (
     OIDCAuthenticationCallbackView,
     OIDCAuthenticationRequestView,
 )
+
+from gateway.identity import sso_accounts
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +159,22 @@ def username_for(claims: dict[str, Any]) -> str:
     return "oidc-" + hashlib.sha256(subject.encode()).hexdigest()[:16]
 
 
+def claimed(claims: dict[str, Any]) -> sso_accounts.Claimed:
+    """What the verified claims say about who signed in, as the account matching reads it."""
+    preferred = claims.get("preferred_username")
+    email = claims.get("email")
+    verified = claims.get("email_verified")
+    return sso_accounts.Claimed(
+        issuer=settings.LLMGW_OIDC_ISSUER,
+        subject=str(claims.get("sub", "")),
+        username=username_for(claims),
+        provider_username=preferred if isinstance(preferred, str) else "",
+        email=email if isinstance(email, str) and len(email) <= 254 else "",
+        # A boolean by the standard; some providers send the string.
+        email_verified=verified is True or str(verified).lower() == "true",
+    )
+
+
 def apply_roles(user: User, claims: dict[str, Any]) -> User:
     """Staff, superuser and teams from the claims, in one transaction."""
     groups = groups_of(claims)
@@ -231,28 +253,19 @@ class Backend(OIDCAuthenticationBackend):  # type: ignore[misc]
         return {**payload, **info}
 
     def verify_claims(self, claims: dict[str, Any]) -> bool:
-        return bool(claims.get("sub"))
+        return isinstance(claims.get("sub"), str) and bool(claims["sub"])
 
-    def filter_users_by_claims(self, claims: dict[str, Any]) -> Any:
-        users = User.objects.filter(username=username_for(claims))
-        user = users.first()
-        if user is not None and user.has_usable_password():
-            raise SuspiciousOperation(
-                f"a local account named {user.username!r} exists; it is not signed in by SSO"
-            )
-        if user is not None and not user.is_active:
-            raise SuspiciousOperation(f"{user.username!r} is deactivated")
-        return users
-
-    def create_user(self, claims: dict[str, Any]) -> User:
-        with transaction.atomic():
-            user = User(username=username_for(claims))
-            user.set_unusable_password()
-            user.save()
-        return apply_roles(user, claims)
-
-    def update_user(self, user: User, claims: dict[str, Any]) -> User:
-        return apply_roles(user, claims)
+    def get_or_create_user(
+        self, access_token: str, id_token: str, payload: dict[str, Any]
+    ) -> User | None:
+        """The account bound to the sign-in's subject (bound now if this is its first), with
+        its roles from the claims. sso_accounts.Refused: no account for it."""
+        claims = self.get_userinfo(access_token, id_token, payload)
+        if not self.verify_claims(claims):
+            raise SuspiciousOperation("the sign-in names no subject (sub)")
+        with transaction.atomic():  # a first sign-in's binding and roles commit together
+            user = sso_accounts.account_for(claimed(claims))
+            return apply_roles(user, claims)
 
 
 # --------------------------------------------------------------------------- the views
@@ -290,8 +303,9 @@ class Callback(OIDCAuthenticationCallbackView):  # type: ignore[misc]
         except (DiscoveryError, requests.RequestException) as exc:
             logger.warning("sso: the provider cannot be reached: %s", exc)
             return HttpResponseRedirect(settings.LOGIN_REDIRECT_URL_FAILURE)
-        except SuspiciousOperation as exc:
-            # A token that fails its checks, a replayed state: refused, and said in the log.
+        except (SuspiciousOperation, sso_accounts.Refused) as exc:
+            # A token that fails its checks, a replayed state, a name that is another
+            # account's: refused, and said in the log.
             logger.warning("sso: sign-in refused: %s", exc)
             return HttpResponseRedirect(settings.LOGIN_REDIRECT_URL_FAILURE)
 

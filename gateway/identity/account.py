@@ -4,6 +4,9 @@ Each view reads and changes only the signed-in user's own rows: every query is f
 ``user=request.user`` and a key id that is not theirs is answered 404, the same as one that
 does not exist, so ids of other people's keys cannot even be probed. A new key is shown once,
 in the response to the form that made it, and stored nowhere but as a hash.
+
+``/account/link/<token>/`` is where a one-time sign-in link leads
+(``gateway.identity.signin_links``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+from axes.helpers import get_client_ip_address
 from django import forms
+from django.conf import settings
 from django.contrib import messages
+from django.contrib.auth import login
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.db.models import QuerySet
@@ -20,9 +26,9 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, Streami
 from django.shortcuts import get_object_or_404, render
 from django.urls import path, reverse
 from django.utils import timezone
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from gateway.identity import allowances, keys
+from gateway.identity import allowances, keys, signin_links
 from gateway.ledger import reports, rollups
 from gateway.models import ApiKey, UsageRecord
 
@@ -164,11 +170,31 @@ class LoginView(auth_views.LoginView):
         return reverse("account")
 
 
+@require_http_methods(["GET", "POST"])
+def signin_link(request: HttpRequest, token: str) -> HttpResponse:
+    """A one-time sign-in link: GET shows whom it signs in and a button, the button's POST
+    uses it up and signs in. A used, expired or unknown link answers 410, all alike."""
+    if request.method == "POST":
+        user = signin_links.redeem(token, address=get_client_ip_address(request) or "")
+        if user is not None:
+            login(request, user, backend="gateway.identity.signin_links.LinkBackend")
+            return HttpResponseRedirect(settings.LOGIN_REDIRECT_URL)
+    else:
+        user = signin_links.peek(token)
+    context = {"who": user.get_username() if user is not None else None}
+    response = render(request, "account/signin_link.html", context, status=200 if user else 410)
+    # The token is in the address: no cache keeps the page, no other site learns it.
+    response["Cache-Control"] = "no-store"
+    response["Referrer-Policy"] = "no-referrer"
+    return response
+
+
 urlpatterns = [
     path("", overview, name="account"),
     path("keys/", create_key, name="account-create-key"),
     path("keys/<int:key_id>/revoke/", revoke_key, name="account-revoke-key"),
     path("usage.csv", usage_csv, name="account-usage-csv"),
     path("login/", LoginView.as_view(), name="account-login"),
+    path("link/<str:token>/", signin_link, name="account-signin-link"),
     path("logout/", auth_views.LogoutView.as_view(next_page=LOGIN_URL), name="account-logout"),
 ]

@@ -23,7 +23,7 @@ from django.db import transaction
 from django.db.models import Q
 
 from control import serving
-from gateway.models import ApiKey, TeamLimits, UserLimits
+from gateway.models import ApiKey, SsoLinkName, TeamLimits, UserLimits
 
 # --------------------------------------------------------------------------- limits
 
@@ -285,12 +285,16 @@ def create_user(
     teams: Iterable[str] = (),
     permissions: Iterable[str] = (),
     password: str | None = None,
+    sso_username: str = "",
 ) -> User:
     """A new user in the given teams. ``password`` is one an administrator chose in the admin's
     add form; the admin API and ``manage.py create_user`` never set one: the user signs in by
     single sign-on, or with a password set later (``/account/``, the admin,
-    ``manage.py changepassword``). Without one the user has an unusable password.
-    Conflict: the username is taken; Missing: a team or permission named does not exist."""
+    ``manage.py changepassword``). Without one the user has an unusable password, and their
+    first single sign-on links the account if the provider vouches for ``email`` or signs in
+    the provider name ``sso_username`` (``gateway.identity.sso_accounts``).
+    Conflict: the username (or the provider name) is taken; Missing: a team or permission
+    named does not exist."""
     _check_username(username)
     values: dict[str, object] = {
         "email": email,
@@ -314,11 +318,14 @@ def create_user(
         user.save()
         user.groups.set(groups)
         user.user_permissions.set(perms)
+        if sso_username:
+            _link_name(user, sso_username)
         shown = {
             **values,
             "teams": [g.name for g in groups],
             "permissions": permission_names(perms),
             "password": password is not None,
+            "sso_username": sso_username,
         }
         serving.record_operator_event(
             f"user/{username}",
@@ -326,6 +333,45 @@ def create_user(
             {"actor": actor, "created": shown},
         )
     return user
+
+
+def _link_name(user: User, sso_username: str) -> None:
+    """Give the provisioned ``user`` the provider name whose first sign-in links them."""
+    if len(sso_username) > 255 or not sso_username.strip():
+        raise PersonInvalid("sso_username", "1 to 255 characters, not only spaces")
+    if user.has_usable_password():
+        raise PersonInvalid(
+            "sso_username", f"{user.username!r} has a password; single sign-on never links it"
+        )
+    taken = SsoLinkName.objects.filter(provider_username=sso_username).exclude(user=user)
+    if taken.exists():
+        raise Conflict("sso_username", f"another account is linked by {sso_username!r}")
+    SsoLinkName.objects.update_or_create(user=user, defaults={"provider_username": sso_username})
+
+
+def set_sso_username(username: str, sso_username: str, *, actor: str) -> None:
+    """The provider name whose first single sign-on links this provisioned account (``""``:
+    none), for providers that vouch for no email; its binding decides from then on.
+    Missing: no such user; Conflict: another account has that name; PersonInvalid: the
+    account has a password."""
+    with transaction.atomic():
+        user = User.objects.select_for_update().filter(username=username).first()
+        if user is None:
+            raise Missing("username", f"no user {username!r}")
+        before = SsoLinkName.objects.filter(user=user).values_list("provider_username", flat=True)
+        old = before.first() or ""
+        if old == sso_username:
+            return
+        if sso_username:
+            _link_name(user, sso_username)
+        else:
+            SsoLinkName.objects.filter(user=user).delete()
+        diff: dict[str, dict[str, object]] = {"sso_username": {"from": old, "to": sso_username}}
+        serving.record_operator_event(
+            f"user/{username}",
+            f"changed by {actor}: {_describe(diff)}",
+            {"actor": actor, "changes": diff},
+        )
 
 
 def _describe_new(values: Mapping[str, object]) -> str:

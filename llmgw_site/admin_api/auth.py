@@ -1,9 +1,15 @@
-"""Who is calling the admin API, and whether they may write.
+"""Who is calling the admin API, and what they may read, write and see.
 
 Two ways in: ``Authorization: Bearer llmgw-admin-…`` (an admin token, for programs) or the
 session of a staff user signed in to the admin (for the browser), whose unsafe requests must
-carry the CSRF token like any form post. A read-only token, or a staff user who is not a
-superuser, may only read.
+carry the CSRF token like any form post.
+
+Reads follow the admin's pages: each read route names the Django view permissions it needs
+(``reads("control.view_profile")``), a staff session without them is answered 403, and a read
+route that names none is for superusers and tokens only. Writes need a superuser's session or a
+read-write token. A token stands for a superuser of its scope: a read-only token reads every
+route, a read-write token does everything. Secrets in profile environments are shown to
+superusers and read-write tokens only (``Caller.sees_secrets``), masked to everybody else.
 
 Wrong tokens count as failed sign-ins in the same ledger as passwords (django-axes), per
 address (``llmgw_site.signin.lockout_parameters`` says why not per prefix), so a program
@@ -18,6 +24,7 @@ import logging
 from dataclasses import dataclass
 
 from axes.handlers.proxy import AxesProxyHandler
+from django.contrib.auth.models import AbstractBaseUser
 from django.contrib.auth.signals import user_login_failed
 from django.http import HttpRequest
 from ninja.utils import check_csrf
@@ -47,6 +54,26 @@ class Caller:
 
     actor: str
     can_write: bool
+    sees_secrets: bool
+    user: AbstractBaseUser | None = None  # a staff session's user; None for a token
+
+    def may_view(self, permissions: tuple[str, ...]) -> bool:
+        """Whether the caller may read what needs these view permissions (none named: what a
+        superuser may read)."""
+        if self.user is None:
+            return True  # a token reads every route, whatever its scope
+        if not permissions:
+            return bool(getattr(self.user, "is_superuser", False))
+        return all(_may_view(self.user, p) for p in permissions)
+
+
+def _may_view(user: AbstractBaseUser, permission: str) -> bool:
+    """As the admin's pages decide (``ModelAdmin.has_view_permission``): the view permission,
+    or the change permission, which implies it."""
+    app_label, _, codename = permission.partition(".")
+    change = f"{app_label}.change_{codename.removeprefix('view_')}"
+    has_perm = user.has_perm  # type: ignore[attr-defined]
+    return bool(has_perm(permission) or (codename.startswith("view_") and has_perm(change)))
 
 
 def _credentials(token: str) -> dict[str, str]:
@@ -64,7 +91,8 @@ def _by_token(request: HttpRequest, token: str) -> Caller:
         user_login_failed.send(sender=__name__, credentials=credentials, request=request)
         logger.warning("admin API: a wrong admin token (%s…)", credentials["username"])
         raise Denied(401, "unauthorized", "unknown, revoked or expired admin token")
-    return Caller(actor=f"token:{row.name}", can_write=row.scope == AdminToken.Scope.WRITE)
+    writes = row.scope == AdminToken.Scope.WRITE
+    return Caller(actor=f"token:{row.name}", can_write=writes, sees_secrets=writes)
 
 
 def _by_session(request: HttpRequest) -> Caller:
@@ -73,11 +101,17 @@ def _by_session(request: HttpRequest) -> Caller:
         raise Denied(401, "unauthorized", "send an admin token or sign in as staff")
     if request.method not in SAFE_METHODS and check_csrf(request) is not None:
         raise Denied(403, "csrf_failed", "a signed-in write needs the CSRF token (X-CSRFToken)")
-    return Caller(actor=f"admin:{user.get_username()}", can_write=user.is_superuser)
+    return Caller(
+        actor=f"admin:{user.get_username()}",
+        can_write=user.is_superuser,
+        sees_secrets=user.is_superuser,
+        user=user,
+    )
 
 
-def caller(request: HttpRequest) -> Caller:
-    """The caller of ``request``, or :class:`Denied`. Writes need write power."""
+def caller(request: HttpRequest, view: tuple[str, ...] = ()) -> Caller:
+    """The caller of ``request``, or :class:`Denied`. Reads need the view permissions ``view``
+    (none: a superuser's or a token's); writes need write power."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if header:
@@ -86,16 +120,37 @@ def caller(request: HttpRequest) -> Caller:
         who = _by_token(request, token.strip())
     else:
         who = _by_session(request)
-    if request.method not in SAFE_METHODS and not who.can_write:
+    if request.method in SAFE_METHODS:
+        if not who.may_view(view):
+            needed = ", ".join(view) or "a superuser's"
+            raise Denied(403, "forbidden", f"reading this needs the permission {needed}")
+    elif not who.can_write:
         raise Denied(403, "read_only", "this token or account may only read")
     return who
 
 
 class AdminAuth:
-    """The API's one authentication callable (ninja calls it with the request)."""
+    """The API's authentication callable (ninja calls it with the request): the default one,
+    for writes and for reads that name no permission, or a read route's (:func:`reads`)."""
+
+    def __init__(self, *view: str) -> None:
+        self.view = view
 
     def __call__(self, request: HttpRequest) -> Caller:
-        return caller(request)
+        return caller(request, self.view)
+
+
+def reads(*permissions: str) -> AdminAuth:
+    """A read route's authentication: the caller needs these Django view permissions
+    (``"control.view_profile"``), as the admin's pages of those models do."""
+    return AdminAuth(*permissions)
+
+
+def sees_secrets(request: HttpRequest) -> bool:
+    """Whether the caller :class:`AdminAuth` let in may see secrets unmasked."""
+    who = request.auth  # type: ignore[attr-defined]
+    assert isinstance(who, Caller)
+    return who.sees_secrets
 
 
 def actor_of(request: HttpRequest) -> str:

@@ -68,12 +68,12 @@ def test_importing_the_same_file_twice_changes_nothing_the_second_time() -> None
 
 def test_export_then_import_into_an_empty_catalog_gives_the_same_export() -> None:
     catalog.import_yaml(CATALOG)
-    exported = catalog.export_yaml()
+    exported = catalog.export_yaml(reveal_secrets=True)
     ServedModel.objects.all().delete()
     Profile.objects.all().delete()
     Endpoint.objects.all().delete()
     catalog.import_yaml(exported)
-    assert catalog.export_yaml() == exported
+    assert catalog.export_yaml(reveal_secrets=True) == exported
     assert yaml.safe_load(exported)["models"][0]["profiles"] == ["sim", "vllm-tp2"]
 
 
@@ -159,7 +159,7 @@ def test_replica_counts_under_other_profiles_round_trip_and_are_checked() -> Non
     model = ServedModel.objects.get()
     (scale,) = model.scales.all()
     assert (scale.profile.name, scale.min_replicas, scale.max_replicas) == ("sim", 1, 2)
-    exported = catalog.export_yaml()
+    exported = catalog.export_yaml(reveal_secrets=True)
     assert yaml.safe_load(exported)["models"][0]["profile_replicas"] == {
         "sim": {"min_replicas": 1, "max_replicas": 2}
     }
@@ -185,7 +185,7 @@ def test_a_models_context_length_round_trips_and_must_be_positive() -> None:
     )
     catalog.import_yaml(with_context)
     assert ServedModel.objects.get().context_length == 8192
-    exported = catalog.export_yaml()
+    exported = catalog.export_yaml(reveal_secrets=True)
     assert yaml.safe_load(exported)["models"][0]["context_length"] == 8192
     assert catalog.import_yaml(exported).updated == []
     with pytest.raises(CatalogError, match="context_length"):

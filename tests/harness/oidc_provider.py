@@ -5,7 +5,10 @@ It speaks the real protocol over HTTP, as a packaged provider would: discovery
 (``/.well-known/openid-configuration``), the authorization endpoint with a sign-in form
 (``/authorize``), the token endpoint with PKCE (``/token``), userinfo (``/userinfo``) and the
 JWKS (``/jwks``), with ID tokens signed RS256 by a key made at start. Users and their groups
-come from a JSON file: ``{"carol": {"password": "…", "email": "…", "groups": ["…"]}}``.
+come from a JSON file: ``{"carol": {"password": "…", "email": "…", "groups": ["…"]}}``, keyed by
+the name typed into the form. Their claims default to ``sub-<name>``, the name and
+``<name>@example.com``; a user's ``sub``, ``preferred_username`` (null: none), ``email`` and
+``email_verified`` say otherwise, as a provider whose users choose their names would.
 
 Nothing in llmgw imports it; the tests start it with :func:`start_provider`.
 """
@@ -62,23 +65,28 @@ class Provider:
 
     def claims(self, username: str) -> dict[str, Any]:
         user = self.users[username]
-        return {
-            "sub": f"sub-{username}",
-            "preferred_username": username,
+        claims = {
+            "sub": user.get("sub", f"sub-{username}"),
+            "preferred_username": user.get("preferred_username", username),
             "email": user.get("email", f"{username}@example.com"),
             "groups": user.get("groups", []),
         }
+        if "email_verified" in user:
+            claims["email_verified"] = user["email_verified"]
+        return {k: v for k, v in claims.items() if v is not None}
 
     def id_token(self, username: str, nonce: str | None) -> str:
         now = int(time.time())
+        identity = self.claims(username)
         claims = {
             "iss": self.issuer,
             "aud": self.client_id,
             "iat": now,
             "exp": now + 300,
-            "sub": f"sub-{username}",
-            "preferred_username": username,
+            "sub": identity["sub"],
         }
+        if "preferred_username" in identity:
+            claims["preferred_username"] = identity["preferred_username"]
         if nonce:
             claims["nonce"] = nonce
         return jwt.encode(claims, self.key, algorithm="RS256", headers={"kid": KID})

@@ -19,7 +19,7 @@ from django.test import Client
 from control import node_certs, node_tokens
 from control.models import Event, Node, Profile, Replica, ServedModel
 from gateway.identity import allowances, keys
-from gateway.models import ApiKey, TeamLimits, UserLimits
+from gateway.models import ApiKey, SsoLinkName, TeamLimits, UserLimits
 from llmgw_site.admin_api import tokens
 from llmgw_site.admin_api.models import AdminToken
 from tests.harness.factories import (
@@ -120,7 +120,8 @@ def test_a_read_only_token_reads_but_cannot_write(reader: Api) -> None:
 def test_a_staff_session_reads_and_a_superuser_writes_only_with_csrf() -> None:
     make_node("gpu-1")
     staff = Client(enforce_csrf_checks=True)
-    staff.force_login(make_user("ops", staff=True))
+    # Reads need the view permission the admin's pages need (tests/site/test_admin_permissions).
+    staff.force_login(make_user("ops", staff=True, perms=["control.view_node"]))
     assert staff.get(f"{BASE}/nodes").status_code == 200
     assert staff.post(f"{BASE}/nodes/gpu-1/cordon").json()["error"]["code"] == "csrf_failed"
 
@@ -417,6 +418,15 @@ def test_users_create_list_update(api: Api) -> None:
     assert api.call("PATCH", "/users/nobody", {"is_active": False})[0] == 404
     status, body = api.call("POST", "/users", {"username": "x", "is_superuser": True})
     assert status == 422 and body["error"]["field"] == "is_superuser"
+
+
+def test_a_user_provisioned_with_a_provider_name_for_single_sign_on(api: Api) -> None:
+    status, body = api.call("POST", "/users", {"username": "dsmith", "sso_username": "dave"})
+    assert status == 201 and body["username"] == "dsmith"
+    assert SsoLinkName.objects.get(provider_username="dave").user.username == "dsmith"
+    status, body = api.call("POST", "/users", {"username": "other", "sso_username": "dave"})
+    assert status == 409 and body["error"]["field"] == "sso_username"
+    assert not User.objects.filter(username="other").exists()
 
 
 def test_teams_create_members_delete(api: Api) -> None:

@@ -61,7 +61,7 @@ def put(client: Client, document: Any, *, dry_run: bool = False, yaml_body: bool
 
 
 def snapshot() -> str:
-    return catalog.export_yaml()
+    return catalog.export_yaml(reveal_secrets=True)
 
 
 def test_a_dry_run_reports_the_exact_diff_and_writes_nothing(client: Client) -> None:

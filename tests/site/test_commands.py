@@ -52,6 +52,7 @@ OURS = [
     "set_team_members",
     "delete_team",
     "delete_profile",
+    "signin_link",
 ]
 
 

@@ -96,6 +96,7 @@ def test_the_settings_come_from_the_environment() -> None:
         ({"LLMGW_CSRF_TRUSTED_ORIGINS": "llmgw.example.com"}, "needs its scheme"),
         ({"LLMGW_HTTPS": "maybe"}, "LLMGW_HTTPS='maybe' is not a boolean"),
         ({"LLMGW_LOGIN_FAILURE_LIMIT": "0"}, "LLMGW_LOGIN_FAILURE_LIMIT='0' must be at least 1"),
+        ({"LLMGW_LOGIN_PACE_SECONDS": "0"}, "LLMGW_LOGIN_PACE_SECONDS='0' must be at least 1"),
     ],
 )
 def test_a_bad_value_stops_start_up_naming_the_variable(env: dict[str, str], message: str) -> None:

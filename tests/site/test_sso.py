@@ -7,6 +7,7 @@ Chromium that signs in through the provider and lands on the dashboard (staff) o
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections.abc import Iterator
@@ -20,9 +21,12 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from django.contrib.auth.models import Group, User
 from django.core.exceptions import SuspiciousOperation
+from django.core.management import CommandError, call_command
 from django.test import Client
 
+from control.models import Event
 from gateway.identity import people
+from gateway.models import SsoIdentity, SsoLinkName
 from llmgw_site import sso
 from tests.harness.browser import Browser
 from tests.harness.factories import PASSWORD, make_user
@@ -31,10 +35,28 @@ from tests.harness.procs import PYTHON, Proc, free_port
 from tests.harness.waits import wait_until
 
 CLIENT_ID, CLIENT_SECRET = "llmgw", "test-client-secret"
-USERS = {
+USERS: dict[str, dict[str, Any]] = {
     "carol": {"password": "carol-pw", "groups": ["llmgw-admins", "research"]},
-    "dave": {"password": "dave-pw", "groups": ["research", "not-a-team"]},
+    "dave": {"password": "dave-pw", "groups": ["research", "not-a-team"], "email_verified": True},
     "root": {"password": "root-pw", "groups": ["llmgw-admins"]},
+    # People at a provider where users choose their own names and emails.
+    "mallory": {"password": "mallory-pw", "preferred_username": "alice"},
+    "eve": {
+        "password": "eve-pw",
+        "preferred_username": None,
+        "email": "bob@example.com",
+        "email_verified": False,
+    },
+    "robert": {"password": "robert-pw", "email": "bob@example.com", "email_verified": True},
+    "twin": {"password": "twin-pw", "email": "bob@example.com", "email_verified": True},
+    "erin": {"password": "erin-pw"},
+    # Erin again, after renaming herself at the provider: the same subject.
+    "erin-renamed": {
+        "password": "erin-pw",
+        "sub": "sub-erin",
+        "preferred_username": "erin2",
+        "email": "erin2@example.com",
+    },
 }
 
 
@@ -158,10 +180,137 @@ def test_a_local_account_is_never_taken_over_by_a_sign_in_that_claims_its_name(
 
 @pytest.mark.django_db
 def test_a_user_provisioned_by_the_api_without_a_password_signs_in_by_sso(sso_on: str) -> None:
-    people.create_user("dave", actor="token:ops")  # as POST /api/admin/v1/users does
+    # As POST /api/admin/v1/users does; the provider vouches for dave's email.
+    people.create_user("dave", email="dave@example.com", actor="token:ops")
     client = Client()
     assert finish(client, sign_in(client, "dave", "dave-pw")) == "/account/"
     assert User.objects.filter(username="dave").count() == 1
+    assert SsoIdentity.objects.get().user.username == "dave"
+
+
+@pytest.mark.django_db
+def test_a_provisioned_account_is_linked_by_no_name_until_an_operator_sets_one(
+    sso_on: str,
+) -> None:
+    people.create_user("mallorys-target", actor="token:ops")
+    people.create_user("alice", actor="token:ops")  # no email: nothing vouches for anyone
+    client = Client()
+    assert finish(client, sign_in(client, "mallory", "mallory-pw")) == "/account/login/?sso=failed"
+    assert signed_in_as(client) is None and not SsoIdentity.objects.exists()
+    # The operator says which provider name is alice's: "carol" (not the name "alice").
+    call_command("set_user", "alice", "--sso-username", "carol", stdout=io.StringIO())
+    assert SsoLinkName.objects.get().user.username == "alice"
+    carol = Client()
+    finish(carol, sign_in(carol, "carol", "carol-pw"))
+    assert signed_in_as(carol) == "alice"
+    assert not SsoLinkName.objects.exists()  # used up: the binding decides from now on
+    assert SsoIdentity.objects.get(user__username="alice").subject == "sub-carol"
+    mallory = Client()
+    finish(mallory, sign_in(mallory, "mallory", "mallory-pw"))
+    assert signed_in_as(mallory) is None
+    assert any(
+        "linked by the provider name 'carol'" in m
+        for m in Event.objects.filter(subject="user/alice").values_list("message", flat=True)
+    )
+
+
+@pytest.mark.django_db
+def test_a_provider_name_is_set_only_on_an_account_without_a_password() -> None:
+    make_user("root", superuser=True)
+    with pytest.raises(people.PersonInvalid, match="has a password"):
+        people.create_user("x", actor="t", password="a-long-password-1", sso_username="x")
+    with pytest.raises(CommandError, match="has a password"):
+        call_command("set_user", "root", "--sso-username", "root", stdout=io.StringIO())
+    people.create_user("a", actor="t", sso_username="shared")
+    with pytest.raises(people.Conflict, match="another account"):
+        people.create_user("b", actor="t", sso_username="shared")
+    assert not User.objects.filter(username="b").exists()  # all or nothing
+
+
+def signed_in_as(client: Client) -> str | None:
+    user_id = client.session.get("_auth_user_id")
+    return None if user_id is None else User.objects.get(pk=user_id).username
+
+
+@pytest.mark.django_db
+def test_another_subject_claiming_alices_name_never_gets_alices_account(sso_on: str) -> None:
+    people.create_user("alice", actor="token:ops")  # provisioned, never signed in
+    client = Client()
+    finish(client, sign_in(client, "mallory", "mallory-pw"))  # preferred_username "alice"
+    assert signed_in_as(client) != "alice"
+    assert User.objects.filter(username="alice").count() == 1
+    # Refused: the name is another account's, and nothing links mallory to it.
+    assert signed_in_as(client) is None
+    assert not SsoIdentity.objects.filter(user__username="alice").exists()
+
+
+@pytest.mark.django_db
+def test_an_unverified_email_of_bob_never_gets_bobs_account(sso_on: str) -> None:
+    # Provisioned under his email address, as many operators name people.
+    people.create_user("bob@example.com", email="bob@example.com", actor="token:ops")
+    client = Client()
+    finish(client, sign_in(client, "eve", "eve-pw"))  # no name, bob's email, unverified
+    assert signed_in_as(client) != "bob@example.com"
+    assert not SsoIdentity.objects.filter(user__username="bob@example.com").exists()
+    # Bob himself, whose email the provider vouches for, gets his account.
+    people.create_user("bob", email="bob@example.com", actor="token:ops")
+    User.objects.filter(username="bob@example.com").delete()
+    robert = Client()
+    finish(robert, sign_in(robert, "robert", "robert-pw"))
+    assert signed_in_as(robert) == "bob"
+
+
+@pytest.mark.django_db
+def test_a_verified_email_links_a_provisioned_account_once_then_the_binding_is_used(
+    sso_on: str,
+) -> None:
+    people.create_user("bob", email="bob@example.com", actor="token:ops")
+    client = Client()
+    assert finish(client, sign_in(client, "robert", "robert-pw")) == "/account/"
+    assert signed_in_as(client) == "bob"
+    again = Client()
+    finish(again, sign_in(again, "robert", "robert-pw"))
+    assert signed_in_as(again) == "bob"
+    # Another subject with the same verified email: the account is linked already.
+    twin = Client()
+    finish(twin, sign_in(twin, "twin", "twin-pw"))
+    assert signed_in_as(twin) != "bob"
+    assert signed_in_as(twin) == "twin"  # a new account of its own, its name being free
+    assert list(
+        SsoIdentity.objects.filter(user__username="bob").values_list("subject", flat=True)
+    ) == ["sub-robert"]
+
+
+@pytest.mark.django_db
+def test_the_same_subject_with_a_changed_name_and_email_keeps_its_own_account(
+    sso_on: str,
+) -> None:
+    client = Client()
+    finish(client, sign_in(client, "erin", "erin-pw"))
+    assert signed_in_as(client) == "erin"
+    renamed = Client()
+    finish(renamed, sign_in(renamed, "erin-renamed", "erin-pw"))
+    assert signed_in_as(renamed) == "erin"
+    assert not User.objects.filter(username="erin2").exists()
+
+
+@pytest.mark.django_db
+def test_wrong_passwords_for_an_account_never_slow_its_single_sign_on(
+    sso_on: str, settings: Any
+) -> None:
+    first = Client()
+    finish(first, sign_in(first, "dave", "dave-pw"))
+    for i in range(2 * settings.AXES_FAILURE_LIMIT):
+        Client(REMOTE_ADDR=f"198.51.100.{i}").post(
+            "/account/login/", {"username": "dave", "password": "guess"}
+        )
+    paced = Client(REMOTE_ADDR="198.51.100.250").post(
+        "/account/login/", {"username": "dave", "password": "guess"}
+    )
+    assert paced.status_code == 429
+    again = Client(REMOTE_ADDR="198.51.100.251")
+    assert finish(again, sign_in(again, "dave", "dave-pw")) == "/account/"
+    assert signed_in_as(again) == "dave"
 
 
 @pytest.mark.django_db

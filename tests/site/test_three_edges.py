@@ -173,7 +173,8 @@ def outcome() -> dict[str, Any]:
         "nodes": nodes(),
         "replicas": replicas(),
         "catalog": catalog(),
-        "document": catalog_document.export(),  # every field of every profile and model
+        # Every field of every profile and model.
+        "document": catalog_document.export(reveal_secrets=True),
         "keys": api_keys(),
         "limits": limits(),
     }

@@ -1,8 +1,11 @@
-"""``manage.py create_user USERNAME [--email E] [--staff] [--inactive] [--teams a,b]``
+"""``manage.py create_user USERNAME [--email E] [--staff] [--inactive] [--teams a,b]
+[--sso-username NAME]``
 
 Makes a user through the same function as the admin's add page and ``POST
 /api/admin/v1/users``, with an Event naming who did it. No password is set: the user signs in
-by single sign-on, or with one set later (``manage.py changepassword``, the admin).
+by single sign-on, or with one set later (``manage.py changepassword``, the admin). Their first
+single sign-on links the account if the provider vouches for the email, or signs in
+``--sso-username``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ class Command(BaseCommand):
             "--inactive", action="store_true", help="Made unable to sign in (until set_user)."
         )
         parser.add_argument("--teams", type=names, default=[], help="Comma-separated teams.")
+        parser.add_argument(
+            "--sso-username",
+            default="",
+            help="Their name at the single sign-on provider, whose first sign-in links them.",
+        )
 
     def handle(self, *args: Any, username: str, **options: Any) -> None:
         try:
@@ -40,6 +48,7 @@ class Command(BaseCommand):
                 is_staff=options["staff"],
                 is_active=not options["inactive"],
                 teams=options["teams"],
+                sso_username=options["sso_username"],
             )
         except PEOPLE_ERRORS as exc:
             raise CommandError(f"{exc.field}: {exc}") from None

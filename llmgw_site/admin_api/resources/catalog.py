@@ -21,7 +21,7 @@ from ninja.pagination import paginate
 from control import operations
 from control.models import Profile, Replica, ServedModel
 from llmgw_site import catalog
-from llmgw_site.admin_api.auth import actor_of
+from llmgw_site.admin_api.auth import actor_of, reads, sees_secrets
 from llmgw_site.admin_api.errors import AdminApiError
 from llmgw_site.admin_api.pagination import Page
 from llmgw_site.admin_api.schemas import Strict
@@ -142,8 +142,11 @@ def _model_out(model: ServedModel) -> dict[str, Any]:
     }
 
 
-def _profile_out(profile: Profile) -> dict[str, Any]:
-    return {"name": profile.name, **catalog._values(profile, catalog._columns(Profile))}
+def _profile_out(request: HttpRequest, profile: Profile) -> dict[str, Any]:
+    """The profile as the caller may see it: secrets in its environment masked unless they
+    may see them."""
+    values = catalog.profile_values(profile, reveal_secrets=sees_secrets(request))
+    return {"name": profile.name, **values}
 
 
 def _import_one(section: str, entry: dict[str, Any]) -> None:
@@ -163,15 +166,15 @@ def _model(name: str) -> ServedModel:
     return model
 
 
-@router.get("/profiles", response=list[ProfileOut])
+@router.get("/profiles", response=list[ProfileOut], auth=reads("control.view_profile"))
 @paginate(Page)
 def list_profiles(request: HttpRequest) -> Any:
-    return [_profile_out(p) for p in Profile.objects.order_by("name")]
+    return [_profile_out(request, p) for p in Profile.objects.order_by("name")]
 
 
-@router.get("/profiles/{name}", response=ProfileOut)
+@router.get("/profiles/{name}", response=ProfileOut, auth=reads("control.view_profile"))
 def get_profile(request: HttpRequest, name: str) -> Any:
-    return _profile_out(get_object_or_404(Profile, name=name))
+    return _profile_out(request, get_object_or_404(Profile, name=name))
 
 
 @router.post("/profiles", response={201: ProfileOut})
@@ -181,14 +184,14 @@ def create_profile(request: HttpRequest, payload: ProfileIn) -> Any:
             409, code="exists", message=f"profile {payload.name!r} exists", field="name"
         )
     _import_one("profiles", payload.dict(exclude_unset=True))
-    return Status(201, _profile_out(Profile.objects.get(name=payload.name)))
+    return Status(201, _profile_out(request, Profile.objects.get(name=payload.name)))
 
 
 @router.patch("/profiles/{name}", response=ProfileOut)
 def update_profile(request: HttpRequest, name: str, payload: ProfilePatch) -> Any:
     get_object_or_404(Profile, name=name)
     _import_one("profiles", {"name": name, **payload.dict(exclude_unset=True)})
-    return _profile_out(Profile.objects.get(name=name))
+    return _profile_out(request, Profile.objects.get(name=name))
 
 
 @router.delete("/profiles/{name}", response={204: None})
@@ -201,13 +204,13 @@ def delete_profile(request: HttpRequest, name: str) -> Any:
     return Status(204, None)
 
 
-@router.get("/models", response=list[ModelOut])
+@router.get("/models", response=list[ModelOut], auth=reads("control.view_servedmodel"))
 @paginate(Page)
 def list_models(request: HttpRequest) -> Any:
     return [_model_out(m) for m in _models()]
 
 
-@router.get("/models/{name}", response=ModelOut)
+@router.get("/models/{name}", response=ModelOut, auth=reads("control.view_servedmodel"))
 def get_model(request: HttpRequest, name: str) -> Any:
     return _model_out(get_object_or_404(_models(), name=name))
 
@@ -287,10 +290,16 @@ class CatalogResult(Schema):
     changes: dict[str, dict[str, dict[str, Any]]]
 
 
-@router.get("/catalog", response=dict[str, Any])
+@router.get(
+    "/catalog",
+    response=dict[str, Any],
+    auth=reads("control.view_profile", "control.view_servedmodel", "gateway.view_endpoint"),
+)
 def get_catalog(request: HttpRequest) -> Any:
-    """The whole catalog, as ``manage.py export_catalog`` writes it (JSON)."""
-    return catalog.export()
+    """The whole catalog, as ``manage.py export_catalog`` writes it (JSON): secrets in
+    profile environments as they are for superusers and read-write tokens, masked for
+    everybody else (a masked document applied back keeps the stored secrets)."""
+    return catalog.export(reveal_secrets=sees_secrets(request))
 
 
 @router.put(

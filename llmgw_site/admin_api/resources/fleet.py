@@ -20,7 +20,7 @@ from ninja.pagination import paginate
 
 from control import leases, node_certs, node_tokens, operations
 from control.models import Event, Node, Replica
-from llmgw_site.admin_api.auth import actor_of
+from llmgw_site.admin_api.auth import actor_of, reads
 from llmgw_site.admin_api.errors import AdminApiError
 from llmgw_site.admin_api.pagination import Page
 from llmgw_site.admin_api.schemas import Changed
@@ -82,7 +82,7 @@ def _node(name: str) -> Node:
     return node
 
 
-@router.get("/nodes", response=list[NodeOut])
+@router.get("/nodes", response=list[NodeOut], auth=reads("control.view_node"))
 @paginate(Page)
 def list_nodes(
     request: HttpRequest,
@@ -97,7 +97,7 @@ def list_nodes(
     return nodes
 
 
-@router.get("/nodes/{name}", response=NodeOut)
+@router.get("/nodes/{name}", response=NodeOut, auth=reads("control.view_node"))
 def get_node(request: HttpRequest, name: str) -> Any:
     return _node(name)
 
@@ -221,7 +221,7 @@ def _replicas() -> QuerySet[Replica]:
     )
 
 
-@router.get("/replicas", response=list[ReplicaOut])
+@router.get("/replicas", response=list[ReplicaOut], auth=reads("control.view_replica"))
 @paginate(Page)
 def list_replicas(
     request: HttpRequest,
@@ -239,7 +239,7 @@ def list_replicas(
     return replicas
 
 
-@router.get("/replicas/{replica_id}", response=ReplicaOut)
+@router.get("/replicas/{replica_id}", response=ReplicaOut, auth=reads("control.view_replica"))
 def get_replica(request: HttpRequest, replica_id: int) -> Any:
     return get_object_or_404(_replicas(), pk=replica_id)
 
@@ -263,7 +263,7 @@ class LeaseOut(Schema):
     held: bool
 
 
-@router.get("/lease", response=LeaseOut)
+@router.get("/lease", response=LeaseOut, auth=reads("control.view_lease"))
 def get_lease(request: HttpRequest) -> Any:
     """Who leads the control plane now, on the database's clock."""
     view = leases.read()
@@ -294,7 +294,7 @@ class EventOut(Schema):
     data: dict[str, Any]
 
 
-@router.get("/events", response=list[EventOut])
+@router.get("/events", response=list[EventOut], auth=reads("control.view_event"))
 @paginate(Page)
 def list_events(
     request: HttpRequest,

@@ -16,6 +16,7 @@ from ninja.pagination import paginate
 
 from gateway.identity import keys
 from gateway.models import ApiKey
+from llmgw_site.admin_api.auth import reads
 from llmgw_site.admin_api.errors import AdminApiError
 from llmgw_site.admin_api.pagination import Page
 from llmgw_site.admin_api.schemas import Changed, Strict
@@ -55,7 +56,7 @@ class IssuedKeyOut(Schema):
     api_key: KeyOut
 
 
-@router.get("/keys", response=list[KeyOut])
+@router.get("/keys", response=list[KeyOut], auth=reads("gateway.view_apikey"))
 @paginate(Page)
 def list_keys(request: HttpRequest, user: str | None = None, revoked: bool | None = None) -> Any:
     rows = ApiKey.objects.select_related("user").order_by("-created_at", "-id")
@@ -66,7 +67,7 @@ def list_keys(request: HttpRequest, user: str | None = None, revoked: bool | Non
     return rows
 
 
-@router.get("/keys/{key_id}", response=KeyOut)
+@router.get("/keys/{key_id}", response=KeyOut, auth=reads("gateway.view_apikey"))
 def get_key(request: HttpRequest, key_id: int) -> Any:
     return get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id)
 

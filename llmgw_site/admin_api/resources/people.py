@@ -19,7 +19,7 @@ from pydantic import field_validator
 from gateway.identity import allowances
 from gateway.identity import people as gateway_people
 from gateway.models import ApiKey, TeamLimits, UserLimits
-from llmgw_site.admin_api.auth import actor_of
+from llmgw_site.admin_api.auth import actor_of, reads
 from llmgw_site.admin_api.errors import AdminApiError
 from llmgw_site.admin_api.pagination import Page
 from llmgw_site.admin_api.schemas import Changed, Strict
@@ -51,6 +51,12 @@ class UserPatch(Strict):
 
 class UserIn(UserPatch):
     username: str = Field(min_length=1, max_length=150, pattern=r"^[\w.@+-]+$")
+    sso_username: str = Field(
+        "",
+        max_length=255,
+        description="Their name at the single sign-on provider, whose first sign-in links "
+        "this account (else a verified email does).",
+    )
 
 
 class TeamOut(Schema):
@@ -87,7 +93,7 @@ def _people_error(exc: PeopleError) -> AdminApiError:
     )
 
 
-@router.get("/users", response=list[UserOut])
+@router.get("/users", response=list[UserOut], auth=reads("auth.view_user"))
 @paginate(Page)
 def list_users(request: HttpRequest, team: str | None = None, staff: bool | None = None) -> Any:
     users = User.objects.prefetch_related("groups").order_by("username")
@@ -98,7 +104,7 @@ def list_users(request: HttpRequest, team: str | None = None, staff: bool | None
     return users
 
 
-@router.get("/users/{username}", response=UserOut)
+@router.get("/users/{username}", response=UserOut, auth=reads("auth.view_user"))
 def get_user(request: HttpRequest, username: str) -> Any:
     return get_object_or_404(User.objects.prefetch_related("groups"), username=username)
 
@@ -113,6 +119,7 @@ def create_user(request: HttpRequest, payload: UserIn) -> Any:
             is_staff=bool(payload.is_staff),
             is_active=payload.is_active is not False,
             teams=payload.teams or [],
+            sso_username=payload.sso_username,
         )
     except (gateway_people.Conflict, gateway_people.Missing, gateway_people.PersonInvalid) as exc:
         raise _people_error(exc) from None
@@ -129,13 +136,13 @@ def update_user(request: HttpRequest, username: str, payload: UserPatch) -> Any:
         raise _people_error(exc) from None
 
 
-@router.get("/teams", response=list[TeamOut])
+@router.get("/teams", response=list[TeamOut], auth=reads("auth.view_group"))
 @paginate(Page)
 def list_teams(request: HttpRequest) -> Any:
     return Group.objects.prefetch_related("user_set").order_by("name")
 
 
-@router.get("/teams/{name}", response=TeamOut)
+@router.get("/teams/{name}", response=TeamOut, auth=reads("auth.view_group"))
 def get_team(request: HttpRequest, name: str) -> Any:
     return get_object_or_404(Group.objects.prefetch_related("user_set"), name=name)
 
@@ -256,7 +263,9 @@ def _set_limits(
         raise AdminApiError(422, code="invalid", message=str(exc), field=exc.field) from None
 
 
-@router.get("/users/{username}/limits", response=UserLimitsOut)
+@router.get(
+    "/users/{username}/limits", response=UserLimitsOut, auth=reads("gateway.view_userlimits")
+)
 def get_user_limits(request: HttpRequest, username: str) -> Any:
     """The user's own limits over all their keys, and whether they may make keys."""
     row = UserLimits.objects.filter(user_id=_user_pk(username)).first()
@@ -279,7 +288,7 @@ def clear_user_limits(request: HttpRequest, username: str) -> Any:
     }
 
 
-@router.get("/teams/{name}/limits", response=LimitsOut)
+@router.get("/teams/{name}/limits", response=LimitsOut, auth=reads("gateway.view_teamlimits"))
 def get_team_limits(request: HttpRequest, name: str) -> Any:
     """The team's limits over all its members' keys."""
     row = TeamLimits.objects.filter(team_id=_team_pk(name)).first()

@@ -11,6 +11,7 @@ from ninja import Field, Query, Router, Schema
 from ninja.pagination import paginate
 
 from gateway.ledger import reports
+from llmgw_site.admin_api.auth import reads
 from llmgw_site.admin_api.pagination import Page
 
 router = Router(tags=["usage"])
@@ -36,7 +37,7 @@ class UsageRow(Schema):
     cached_tokens: int = Field(description="Of the prompt tokens, those the engines found cached.")
 
 
-@router.get("/usage", response=list[UsageRow])
+@router.get("/usage", response=list[UsageRow], auth=reads("gateway.view_usagerecord"))
 @paginate(Page)
 def usage(request: HttpRequest, query: Query[UsageQuery]) -> Any:
     """Requests, errors and tokens per group over the period, largest token use first (days:

@@ -1,4 +1,7 @@
-"""``manage.py export_catalog [-o FILE]``: profiles, models and static endpoints as YAML."""
+"""``manage.py export_catalog [-o FILE] [--with-secrets]``: profiles, models and static endpoints
+as YAML. Secrets in profile environments are masked unless ``--with-secrets``: a catalog file
+tends to end up in a repository or a CI log, and a masked one imports back without touching
+the stored secrets."""
 
 from __future__ import annotations
 
@@ -15,9 +18,14 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("-o", "--output", help="Write to this file (default: standard output).")
+        parser.add_argument(
+            "--with-secrets",
+            action="store_true",
+            help="Write secrets in profile environments as they are (default: masked).",
+        )
 
     def handle(self, *args: Any, output: str | None, **options: Any) -> None:
-        text = catalog.export_yaml()
+        text = catalog.export_yaml(reveal_secrets=options["with_secrets"])
         if output is None:
             self.stdout.write(text, ending="")
             return
