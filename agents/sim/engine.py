@@ -339,7 +339,7 @@ class SimServer:
             )
         # The flag and the fault override what the cache says (a fault: an engine that lies).
         override = config.cached_tokens if faults.cached_tokens is None else faults.cached_tokens
-        work = work_for(job.prompts, override)
+        work = work_for(job.prompts, override, job.prompt_root)
         instant = not (
             job.ttft
             or job.itl

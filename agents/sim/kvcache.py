@@ -23,11 +23,15 @@ random per process unless PYTHONHASHSEED is set) and hashes a block's tokens in 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import contextlib
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from typing import Final
+from itertools import compress, repeat
+from operator import attrgetter, not_
+from typing import Final, cast
 
 NONE_HASH: Final = 0  # the parent of a sequence's first block
+_REF: Final = attrgetter("ref")
 
 
 def chain_hashes(
@@ -48,9 +52,9 @@ class Block:
 
     __slots__ = ("hash", "ref")
 
-    def __init__(self) -> None:
+    def __init__(self, ref: int = 0) -> None:
         self.hash: int | None = None
-        self.ref = 0
+        self.ref = ref
 
 
 class BlockPool:
@@ -89,21 +93,17 @@ class BlockPool:
 
     def hits(self, hashes: Sequence[int]) -> list[Block]:
         """The cached blocks of the longest run of ``hashes`` from the start."""
-        found: list[Block] = []
-        if not self.caching:
-            return found
-        cached = self._cached
-        for block_hash in hashes:
-            block = cached.get(block_hash)
-            if block is None:
-                break
-            found.append(block)
-        return found
+        if not self.caching or not hashes:
+            return []
+        found = list(map(self._cached.get, hashes))  # in C: a prompt has hundreds of blocks
+        with contextlib.suppress(ValueError):  # no miss: all of them hit
+            del found[found.index(None) :]
+        return cast(list[Block], found)
 
-    def can_take(self, new: int, hits: Iterable[Block]) -> bool:
+    def can_take(self, new: int, hits: Sequence[Block]) -> bool:
         """Whether ``new`` blocks can be allocated after ``hits`` are taken: a hit on a free
         block takes that block out of the free queue (vLLM counts it the same way)."""
-        return new + sum(1 for block in hits if block.ref == 0) <= self.free
+        return new + list(map(_REF, hits)).count(0) <= self.free
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Hold cached blocks that a sequence hit."""
@@ -113,25 +113,51 @@ class BlockPool:
                 del free[block]
             block.ref += 1
 
-    def allocate(self, count: int) -> list[Block]:
+    def allocate(self, count: int, *, ref: int = 1) -> list[Block]:
         """``count`` blocks from the head of the free queue, evicting what they cached; the
         caller has checked there are enough (``can_take``)."""
         if count > self.free:
             raise ValueError(f"{count} blocks asked, {self.free} free")
-        blocks: list[Block] = []
-        for _ in range(count):
-            if self._blank:
-                self._blank -= 1
-                block = Block()
-            else:
-                block, _ = self._free.popitem(last=False)
+        blank = min(count, self._blank)
+        self._blank -= blank
+        blocks = [Block(ref) for _ in range(blank)]
+        if blank < count:
+            pop, cached = self._free.popitem, self._cached
+            for _ in range(count - blank):
+                block, _ = pop(last=False)
                 if block.hash is not None:
-                    if self._cached.get(block.hash) is block:
-                        del self._cached[block.hash]
+                    if cached.get(block.hash) is block:
+                        del cached[block.hash]
                     block.hash = None
-            block.ref = 1
-            blocks.append(block)
+                block.ref = ref
+                blocks.append(block)
         return blocks
+
+    def cycle(self, hits: Sequence[Block], new: int, hashes: Sequence[int]) -> bool:
+        """A sequence that runs to its end at once (the instant mode), in one go: as if it
+        took ``hits`` and ``new`` blocks, cached the new ones that ``hashes`` name (in order),
+        and gave them all back tail first; False, and nothing changed, if they do not fit.
+
+        Taking a free hit and giving it back moves it to the tail of the free queue, after the
+        new blocks. Where the allocation takes freed blocks (not only never used ones), the
+        free hits first move to the tail out of its way: it takes no more than the others."""
+        free_hits = list(compress(hits, map(not_, map(_REF, hits)))) if hits else []
+        if new + len(free_hits) > self.free:
+            return False
+        move = self._free.move_to_end
+        if free_hits and new > self._blank:
+            deque(map(move, free_hits), maxlen=0)
+        blocks = self.allocate(new, ref=0)
+        if self.caching:
+            cached = self._cached
+            for block, block_hash in zip(blocks, hashes, strict=False):  # not the partial one
+                if block_hash not in cached:
+                    block.hash = block_hash
+                    cached[block_hash] = block
+        self._free.update(zip(reversed(blocks), repeat(None)))
+        if free_hits:
+            deque(map(move, reversed(free_hits)), maxlen=0)
+        return True
 
     def cache(self, block: Block, block_hash: int) -> None:
         """Register a full block under its hash. A hash already cached keeps its block (this

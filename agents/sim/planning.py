@@ -14,6 +14,7 @@ from typing import Any, Final
 from agents.sim.config import SimConfig
 from agents.sim.http1 import HttpError, Request
 from agents.sim.prompts import (
+    TEMPLATE_ROOT,
     chat_tokens,
     count_text_tokens,
     id_tokens,
@@ -89,6 +90,7 @@ def plan(config: SimConfig, request: Request, body: dict[str, Any], faults: Faul
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages must be a non-empty list")
         prompts = [chat_tokens(messages, body.get("tools"))]
+        job.prompt_root = TEMPLATE_ROOT
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
     elif kind == "completion":
         prompts = _completion_prompts(body.get("prompt"))
@@ -97,6 +99,7 @@ def plan(config: SimConfig, request: Request, body: dict[str, Any], faults: Faul
         if not isinstance(body.get("input"), str | list):
             raise HttpError(400, "input must be a string or a list of items")
         prompts = [responses_tokens(body.get("instructions"), body["input"], body.get("tools"))]
+        job.prompt_root = TEMPLATE_ROOT
         limit = body.get("max_output_tokens")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise HttpError(400, f"max_tokens must be at least 1, got {limit}.")

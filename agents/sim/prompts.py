@@ -14,7 +14,10 @@ decoding are hit too, as on vLLM). The request's ``tools`` go where Qwen's and H
 put them: inside the leading system message after its text, or in a system message of their own
 before the first message.
 
-Markers contain a space, so no word of any content can be mistaken for one.
+Markers contain a space, so no word of any content can be mistaken for one. The template's
+opening (a real one's BOS and first header) is not priced, so counts stay one per word plus the
+markers, but it keys the cache: a rendered prompt's first block hangs from ``TEMPLATE_ROOT``,
+so a chat never shares blocks with a plain completion of the same words.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 MESSAGE_OVERHEAD_TOKENS: Final = 4
+TEMPLATE_ROOT: Final = hash(("<|begin of a chat template|>",))  # the parent of its first block
 _START: Final = "<|start of turn|>"
 _HEADER_END: Final = "<|header end|>"
 _EMPTY: Final = "<|empty prompt|>"  # a completions prompt of whitespace still costs a token
@@ -139,15 +143,9 @@ def count_responses_input_tokens(instructions: object, items: object) -> int:
 _OUTPUT: list[str] = []
 
 
-def output_tokens(count: int) -> list[str]:
-    """The first ``count`` generated tokens as words: ``["tok1", "tok2", ...]``."""
-    while len(_OUTPUT) < count:
+def output_tokens(start: int, end: int) -> list[str]:
+    """Generated tokens ``start`` to ``end`` (0-based, end excluded) as words:
+    ``output_tokens(0, 3) == ["tok1", "tok2", "tok3"]``."""
+    while len(_OUTPUT) < end:
         _OUTPUT.append(f"tok{len(_OUTPUT) + 1}")
-    return _OUTPUT[:count]
-
-
-def output_token(index: int) -> str:
-    """Generated token ``index`` (0-based) as a word."""
-    if index >= len(_OUTPUT):
-        output_tokens(index + 1)
-    return _OUTPUT[index]
+    return _OUTPUT[start:end]

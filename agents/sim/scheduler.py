@@ -27,7 +27,6 @@ server sleeps. Waiting is an asyncio future per request, resolved in queue order
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,9 +43,10 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 class TokenSequence:
     """One prompt and what is generated after it: its block hashes so far and its blocks."""
 
-    prompt: list[str]
-    hashes: list[int] = field(default_factory=list)
-    blocks: list[Block] = field(default_factory=list)
+    prompt: list[str] = field(repr=False)
+    root: int = NONE_HASH  # the parent of its first block
+    hashes: list[int] = field(default_factory=list, repr=False)
+    blocks: list[Block] = field(default_factory=list, repr=False)
     registered: int = 0  # blocks of ``blocks`` registered in the cache under their hash
 
     def hash_blocks(self, count: int, block_size: int) -> None:
@@ -58,8 +58,8 @@ class TokenSequence:
         start, end = have * block_size, count * block_size
         tokens = prompt[start:end]
         if end > len(prompt):
-            tokens += output_tokens(end - len(prompt))[max(0, start - len(prompt)) :]
-        parent = self.hashes[-1] if have else NONE_HASH
+            tokens += output_tokens(max(0, start - len(prompt)), end - len(prompt))
+        parent = self.hashes[-1] if have else self.root
         self.hashes += chain_hashes(tokens, block_size, parent)
 
 
@@ -68,6 +68,7 @@ class Work:
     """A request as the scheduler sees it."""
 
     seqs: list[TokenSequence]
+    prompt_tokens: int  # of all its sequences
     cached_override: int | None = None  # a fault or flag: report this many cached tokens
     emitted: int = 0  # tokens generated so far (per sequence)
     scheduled: bool = False  # scheduled at least once: its cache lookup is counted
@@ -76,10 +77,6 @@ class Work:
     ready_at: float = 0.0  # when its latest prefill is done
     due: float = 0.0  # when its latest token was due
     admitted: asyncio.Future[None] | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(s.prompt) for s in self.seqs)
 
 
 class Scheduler:
@@ -107,9 +104,28 @@ class Scheduler:
     # ---- scheduling
 
     def run_now(self, work: Work, tokens: int) -> bool:
-        """Schedule a request that will generate all ``tokens`` at once (the instant mode):
-        only if nothing waits and the blocks for the whole answer are free now."""
-        return not self.waiting and self._schedule(work, tokens)
+        """Run a request that generates all ``tokens`` at once (the instant mode), if nothing
+        waits and the blocks for its whole answer are free: a sequence of it is looked up,
+        cached and given back in one go; a batch of them is scheduled as a whole, for the
+        caller to :meth:`release`."""
+        if self.waiting or (self.max_num_seqs and len(self.running) >= self.max_num_seqs):
+            return False
+        if len(work.seqs) != 1:
+            return self._schedule(work, tokens)
+        pool = self.pool
+        size = pool.block_size
+        seq = work.seqs[0]
+        length = len(seq.prompt)
+        lookup = (length - 1) // size
+        seq.hash_blocks(lookup, size)
+        hits = pool.hits(seq.hashes[:lookup])
+        known = length + tokens - 1  # the KV of all but the last generated token
+        seq.hash_blocks(known // size, size)
+        fresh = _blocks_for(known, size) - len(hits)
+        if not pool.cycle(hits, fresh, seq.hashes[len(hits) :]):
+            return False
+        self._looked_up(work, len(hits) * size)
+        return True
 
     async def admit(self, work: Work) -> None:
         """Schedule ``work`` now, or wait in line until it is."""
@@ -137,27 +153,27 @@ class Scheduler:
             return False
         pool = self.pool
         size = pool.block_size
-        plan: list[tuple[TokenSequence, list[Block], int]] = []
+        looked: list[list[Block]] = []
+        every_hit: list[Block] = []
         new = 0
         for seq in work.seqs:
-            known = len(seq.prompt) + work.emitted
-            lookup = (known - 1) // size  # never the last known token
+            lookup = (len(seq.prompt) + work.emitted - 1) // size  # never the last known token
             seq.hash_blocks(lookup, size)
             hits = pool.hits(seq.hashes[:lookup])
-            fresh = _blocks_for(len(seq.prompt) + upto - 1, size) - len(hits)
-            plan.append((seq, hits, fresh))
-            new += fresh
-        if not pool.can_take(new, (block for _, hits, _ in plan for block in hits)):
+            looked.append(hits)
+            every_hit += hits
+            new += _blocks_for(len(seq.prompt) + upto - 1, size) - len(hits)
+        if not pool.can_take(new, every_hit):
             return False
-        hit_tokens = 0
-        for seq, hits, fresh in plan:
-            pool.touch(hits)
+        pool.touch(every_hit)
+        for seq, hits in zip(work.seqs, looked, strict=True):
+            fresh = _blocks_for(len(seq.prompt) + upto - 1, size) - len(hits)
             seq.blocks = hits + pool.allocate(fresh)
             seq.registered = len(hits)
-            hit_tokens += len(hits) * size
         self._register(work, upto)
         self.running[work] = None
         work.preempted = False
+        hit_tokens = len(every_hit) * size
         computed = work.prompt_tokens + work.emitted * len(work.seqs)
         rate = self.prefill_tokens_per_s
         now = self.clock()
@@ -167,13 +183,18 @@ class Scheduler:
         else:
             work.ready_at = now
         if not work.scheduled:
-            work.scheduled = True
-            override = work.cached_override
-            work.cached = hit_tokens if override is None else min(override, work.prompt_tokens)
-            if pool.caching and work.seqs:
-                self.queries += work.prompt_tokens
-                self.hits += work.cached
+            self._looked_up(work, hit_tokens)
         return True
+
+    def _looked_up(self, work: Work, hit_tokens: int) -> None:
+        """A request's first cache lookup: what it reports, and the prefix cache counters."""
+        work.scheduled = True
+        prompt = work.prompt_tokens
+        override = work.cached_override
+        work.cached = hit_tokens if override is None else min(override, prompt)
+        if self.pool.caching and work.seqs:
+            self.queries += prompt
+            self.hits += work.cached
 
     def _register(self, work: Work, upto: int) -> None:
         """Cache each sequence's blocks that are full once output token ``upto`` is sampled
@@ -229,9 +250,8 @@ class Scheduler:
         if work in self.running:
             del self.running[work]
             self._free(work)
-        else:
-            with contextlib.suppress(ValueError):
-                self.waiting.remove(work)
+        elif self.waiting and work in self.waiting:
+            self.waiting.remove(work)
         self._pump()
 
     def _pump(self) -> None:
@@ -256,6 +276,10 @@ class Scheduler:
         return len(self.waiting)
 
 
-def work_for(prompts: Sequence[list[str]], cached_override: int | None) -> Work:
-    """The scheduler's view of a request with these prompts (one sequence each)."""
-    return Work([TokenSequence(p) for p in prompts], cached_override)
+def work_for(
+    prompts: Sequence[list[str]], cached_override: int | None, root: int = NONE_HASH
+) -> Work:
+    """The scheduler's view of a request with these prompts (one sequence each, its first
+    block hanging from ``root``)."""
+    seqs = [TokenSequence(p, root) for p in prompts]
+    return Work(seqs, sum(map(len, prompts)), cached_override)

@@ -215,6 +215,7 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     pooled: bytes = b""  # the finished body of an embeddings or rerank request
     prompts: list[list[str]] = field(default_factory=list)  # each prompt's tokens
+    prompt_root: int = 0  # the parent hash of their first blocks (a template's, or none)
     seq: int = 0  # the Responses API numbers its stream events
     prefix: str = ""  # a stream chunk up to its choices, built once
 
