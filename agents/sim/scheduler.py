@@ -100,6 +100,7 @@ class Scheduler:
         self.queries = 0  # vllm:prefix_cache_queries: prompt tokens looked up
         self.hits = 0  # vllm:prefix_cache_hits: of them, the cached ones (as reported)
         self.preemptions = 0
+        self._freed = False  # a preemption freed blocks that waiting requests may now use
 
     # ---- scheduling
 
@@ -213,8 +214,16 @@ class Scheduler:
         scheduled requests while none are free; False if ``work`` itself is preempted."""
         if work.preempted:
             return False
+        size = self.pool.block_size
+        if len(work.seqs) == 1 and not self._freed:  # most tokens: nothing to do
+            seq = work.seqs[0]
+            known = len(seq.prompt) + upto - 1
+            if known <= len(seq.blocks) * size and known // size <= seq.registered:
+                return True
+        # Blocks an earlier step's preemption left free go to waiting requests now, a step
+        # later, as vLLM schedules none in the step that preempts.
+        after_preemption, self._freed = self._freed, False
         pool = self.pool
-        size = pool.block_size
         short = [
             _blocks_for(len(seq.prompt) + upto - 1, size) - len(seq.blocks) for seq in work.seqs
         ]
@@ -227,6 +236,8 @@ class Scheduler:
             if count > 0:
                 seq.blocks += pool.allocate(count)
         self._register(work, upto)
+        if after_preemption:
+            self._pump()
         return True
 
     def _preempt(self, work: Work) -> None:
@@ -236,6 +247,7 @@ class Scheduler:
         work.preempted = True
         self.waiting.appendleft(work)
         self.preemptions += 1
+        self._freed = True
 
     def _free(self, work: Work) -> None:
         blocks: list[Block] = []

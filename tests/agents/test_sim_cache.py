@@ -143,6 +143,31 @@ def test_one_prefill_at_a_time_so_a_miss_delays_the_request_scheduled_after_it()
     assert repeat.ready_at == pytest.approx(3.0 + (2000 - full_blocks(2000)) / 1000)
 
 
+def test_the_newest_request_is_preempted_and_recomputes_what_is_no_longer_cached() -> None:
+    now = [0.0]
+    pool = BlockPool(num_blocks=5, block_size=4)  # four blocks of four tokens
+    scheduler = Scheduler(pool, max_num_seqs=0, prefill_tokens_per_s=1000, clock=lambda: now[0])
+    older = work_for([[f"a{i}" for i in range(6)]], None)
+    newer = work_for([[f"b{i}" for i in range(6)]], None)
+
+    async def schedule_both() -> None:
+        await scheduler.admit(older)  # two blocks each: the cache is full
+        await scheduler.admit(newer)
+
+    asyncio.run(schedule_both())
+    assert pool.free == 0
+    # The older one's fourth token needs a third block: the newest request gives its two up.
+    assert scheduler.grow(older, 4)
+    assert (newer.preempted, list(scheduler.waiting), scheduler.preemptions) == (True, [newer], 1)
+    assert not scheduler.grow(newer, 1)
+    now[0] = 1.0
+    scheduler.release(older)  # done: the preempted one is scheduled again
+    assert newer in scheduler.running and not newer.preempted
+    # Its first block (tokens 0-3) was still cached; it computes the other two tokens again.
+    assert newer.ready_at == pytest.approx(1.0 + 2 / 1000)
+    assert newer.cached == 0  # usage reports the first lookup, as vLLM's does
+
+
 # --------------------------------------------------------------------------- what usage says
 
 
