@@ -30,53 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--output-tokens", type=int, default=16, help="tokens generated without max_tokens")
     add("--ttft-ms", type=float, default=0.0, help="time to first token, after the prefill")
     add("--itl-ms", type=float, default=0.0, help="gap between tokens with one request running")
-    add(
-        "--itl-ms-per-seq",
-        type=float,
-        default=0.0,
-        help="what each further running request adds to the gap between tokens",
-    )
-    add(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=0.0,
-        help="uncached prompt tokens computed per second, one prefill at a time (0: instant)",
-    )
-    add(
-        "--max-num-seqs",
-        type=int,
-        default=DEFAULT_MAX_NUM_SEQS,
-        help="running requests, as vLLM's; more wait (0: no limit)",
-    )
+    add("--itl-ms-per-seq", type=float, default=0.0, help="added per other running request")
+    add("--prefill-tokens-per-s", type=float, default=0.0, help="1 prefill at a time; 0: instant")
+    add("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="running; 0: no limit")
     add("--max-concurrency", type=int, default=0, help="the older name of --max-num-seqs")
-    add("--block-size", type=int, default=16, help="tokens per KV cache block, as vLLM's")
-    add(
-        "--num-gpu-blocks-override",
-        "--kv-blocks",
-        dest="kv_blocks",
-        type=int,
-        default=DEFAULT_NUM_GPU_BLOCKS,
-        help="the KV cache's size in blocks, as vLLM's",
-    )
-    add(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="cache prompt blocks for later requests, as vLLM's (on by default)",
-    )
-    add(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="vLLM's switch for usage.prompt_tokens_details; the simulator always reports them",
-    )
+    add("--block-size", type=int, default=16, help="tokens per KV cache block")
+    add("--num-gpu-blocks-override", "--kv-blocks", type=int, default=DEFAULT_NUM_GPU_BLOCKS)
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    # vLLM's switch for usage.prompt_tokens_details, which the simulator always reports.
+    add("--enable-prompt-tokens-details", action="store_true", help="always on")
     add("--startup-delay", type=float, default=0.0, help="seconds of 503 before ready")
     add("--embedding-dim", type=int, default=16)
-    add(
-        "--cached-tokens",
-        type=int,
-        default=None,
-        help="report this many prompt tokens as cached, whatever the cache holds",
-    )
+    add("--cached-tokens", type=int, default=None, help="report this many cached, whatever hit")
     add("--fail-rate", type=float, default=0.0, help="share of requests that fail")
     add("--fail-status", type=int, default=500, help="the status they fail with")
     add("--hang-rate", type=float, default=0.0, help="share of requests that never answer")
@@ -110,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         max_concurrency=args.max_concurrency,
         block_size=args.block_size,
-        num_gpu_blocks=args.kv_blocks,
+        num_gpu_blocks=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,
         startup_delay=args.startup_delay,
         embedding_dim=args.embedding_dim,

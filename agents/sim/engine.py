@@ -339,7 +339,6 @@ class SimServer:
             )
         # The flag and the fault override what the cache says (a fault: an engine that lies).
         override = config.cached_tokens if faults.cached_tokens is None else faults.cached_tokens
-        work = work_for(job.prompts, override, job.prompt_root)
         instant = not (
             job.ttft
             or job.itl
@@ -349,9 +348,10 @@ class SimServer:
             or faults.fail_after_tokens is not None
             or faults.end_after_tokens is not None
         )
-        if instant and self.scheduler.run_now(work, job.tokens):
-            job.cached = work.cached
-            try:
+        if instant:
+            cached = self.scheduler.run_now(job.prompts, job.prompt_root, job.tokens, override)
+            if cached is not None:
+                job.cached = cached
                 if job.stream:  # one write, one syscall: head, every event, the last chunk
                     conn.write(
                         response_head(200, SSE_TYPE, None, conn.keep_alive)
@@ -362,9 +362,8 @@ class SimServer:
                 else:
                     conn.respond(200, job.full_body())
                 self._record(job)
-            finally:
-                self.scheduler.release(work)
-            return
+                return
+        work = work_for(job.prompts, override, job.prompt_root)
         conn.start(self._generate(conn, job, work))
 
     def _faults_for(self, body: dict[str, Any]) -> Faults:

@@ -33,12 +33,21 @@ _HEADER_END: Final = "<|header end|>"
 _EMPTY: Final = "<|empty prompt|>"  # a completions prompt of whitespace still costs a token
 
 
-def _role(role: str) -> str:
-    return f"<|role {role}|>"
+def _markers(role: str, following: str) -> tuple[str, str, str, str]:
+    """The four markers after a ``role`` turn's content, opening a ``following`` turn."""
+    known = _KNOWN_MARKERS.get((role, following))
+    if known is not None:
+        return known
+    return (f"<|end of {role}|>", _START, f"<|role {following}|>", _HEADER_END)
 
 
-def _end(role: str) -> str:
-    return f"<|end of {role}|>"
+_ROLES: Final = ("system", "developer", "user", "assistant", "tool", "function")
+# Built once, so a prompt's markers are the same strings every time (and hash once).
+_KNOWN_MARKERS: Final = {
+    (role, following): (f"<|end of {role}|>", _START, f"<|role {following}|>", _HEADER_END)
+    for role in _ROLES
+    for following in _ROLES
+}
 
 
 def count_text_tokens(text: str) -> int:
@@ -86,7 +95,7 @@ def _render(turns: Sequence[tuple[str, list[str]]], tools: object) -> list[str]:
     for index, (role, words) in enumerate(turns):
         following = turns[index + 1][0] if index + 1 < len(turns) else "assistant"
         tokens += words
-        tokens += (_end(role), _START, _role(following), _HEADER_END)
+        tokens += _markers(role, following)
     return tokens
 
 
