@@ -11,7 +11,8 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from agents.sim.engine import SimConfig, serve
+from agents.sim.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_GPU_BLOCKS, SimConfig
+from agents.sim.engine import serve
 
 log = logging.getLogger("agents.sim")
 
@@ -27,12 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=8000, help="0 picks a free port (logged at start)")
     add("--max-model-len", type=int, default=32768)
     add("--output-tokens", type=int, default=16, help="tokens generated without max_tokens")
-    add("--ttft-ms", type=float, default=0.0, help="time to first token")
-    add("--itl-ms", type=float, default=0.0, help="gap between tokens")
-    add("--max-concurrency", type=int, default=0, help="running requests; more wait (0: no limit)")
+    add("--ttft-ms", type=float, default=0.0, help="time to first token, after the prefill")
+    add("--itl-ms", type=float, default=0.0, help="gap between tokens with one request running")
+    add("--itl-ms-per-seq", type=float, default=0.0, help="added per other running request")
+    add("--prefill-tokens-per-s", type=float, default=0.0, help="1 prefill at a time; 0: instant")
+    add("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="running; 0: no limit")
+    add("--max-concurrency", type=int, default=0, help="the older name of --max-num-seqs")
+    add("--block-size", type=int, default=16, help="tokens per KV cache block")
+    add("--num-gpu-blocks-override", "--kv-blocks", type=int, default=DEFAULT_NUM_GPU_BLOCKS)
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    # vLLM's switch for usage.prompt_tokens_details, which the simulator always reports.
+    add("--enable-prompt-tokens-details", action="store_true", help="always on")
     add("--startup-delay", type=float, default=0.0, help="seconds of 503 before ready")
     add("--embedding-dim", type=int, default=16)
-    add("--cached-tokens", type=int, default=0, help="prompt tokens reported as cached")
+    add("--cached-tokens", type=int, default=None, help="report this many cached, whatever hit")
     add("--fail-rate", type=float, default=0.0, help="share of requests that fail")
     add("--fail-status", type=int, default=500, help="the status they fail with")
     add("--hang-rate", type=float, default=0.0, help="share of requests that never answer")
@@ -61,7 +70,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         output_tokens=args.output_tokens,
         ttft_ms=args.ttft_ms,
         itl_ms=args.itl_ms,
+        itl_ms_per_seq=args.itl_ms_per_seq,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        max_num_seqs=args.max_num_seqs,
         max_concurrency=args.max_concurrency,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
         startup_delay=args.startup_delay,
         embedding_dim=args.embedding_dim,
         cached_tokens=args.cached_tokens,

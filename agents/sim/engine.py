@@ -1,28 +1,28 @@
-"""The simulated engine: routes, request validation as vLLM does it, pacing, queueing, faults.
+"""The simulated engine's server: its routes and small endpoints, and each inference request
+from arrival to its last byte, with faults.
 
-Each inference request is decided in full when it arrives (``_plan``): its prompt and output
-token counts, finish reason, timing and faults. An instant request is then answered on the
-spot; a paced, queued or faulty one becomes its connection's task.
+Each inference request is decided in full when it arrives (``planning.plan``): its prompts as
+tokens, its output length, finish reason, timing and faults. An instant request (no timing
+flag, no fault that takes time) is then scheduled and answered on the spot, inside the
+connection's ``data_received``: its cache lookup, its blocks, its whole answer. Any other is its
+connection's task: it waits to be scheduled (``scheduler``), for its prefill, and for each
+decoding step, whose length grows with the batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
 import hmac
-import json
 import logging
 import os
 import random
-import struct
 import threading
 import time
 import zlib
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Final
 
+from agents.sim.config import SimConfig
 from agents.sim.http1 import (
     JSON_TYPE,
     LAST_CHUNK,
@@ -34,162 +34,27 @@ from agents.sim.http1 import (
     frame,
     response_head,
 )
+from agents.sim.kvcache import BlockPool
+from agents.sim.metrics import SimStats, render
+from agents.sim.planning import KINDS, json_body, plan
+from agents.sim.prompts import chat_tokens
+from agents.sim.scheduler import Scheduler, Work, work_for
 from agents.sim.wire import (
     HANG_BEFORE_FIRST_BYTE,
     HANG_MID_STREAM,
-    MESSAGE_OVERHEAD_TOKENS,
     NO_FAULTS,
     Faults,
     Generation,
-    content_words,
-    count_chat_prompt_tokens,
-    count_responses_input_tokens,
-    count_text_tokens,
     dumps,
-    embedding_vector,
     new_id,
-    rerank_score,
 )
 
 log = logging.getLogger("agents.sim")
 
 CRASH_EXIT_CODE: Final = 70  # EX_SOFTWARE: the engine died, as its supervisor sees it
 VLLM_VERSION: Final = "0.11.0+sim"
-_MAX_CHOICES: Final = 128
 # Paths that need the API key when one is set (vLLM guards /v1 the same way).
 _KEYED_PATHS: Final = ("/v1/", "/sim/")
-_KINDS: Final = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completion",
-    "/v1/responses": "responses",
-    "/v1/embeddings": "embeddings",
-    "/v1/rerank": "rerank",
-    "/v2/rerank": "rerank",
-    "/rerank": "rerank",
-}
-_ID_PREFIXES: Final = {
-    "chat": "chatcmpl-",
-    "completion": "cmpl-",
-    "responses": "resp_",
-    "embeddings": "embd-",
-    "rerank": "rerank-",
-}
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """The command-line flags as data, so tests and benchmarks start the very same server."""
-
-    model: str = "sim-model"
-    served_model_names: tuple[str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 picks a free port; read SimServer.port
-    max_model_len: int = 32768
-    output_tokens: int = 16
-    ttft_ms: float = 0.0
-    itl_ms: float = 0.0
-    max_concurrency: int = 0  # 0: no limit, nothing ever waits
-    startup_delay: float = 0.0
-    embedding_dim: int = 16
-    cached_tokens: int = 0
-    fail_rate: float = 0.0
-    fail_status: int = 500
-    hang_rate: float = 0.0
-    crash_after: int = 0  # 0: never
-    seed: int | None = None
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_header_bytes: int = 64 * 1024
-    shutdown_grace: float = 5.0
-    # As vLLM's --api-key: /v1 (and the fault switch) answer 401 without
-    # ``Authorization: Bearer <key>``; health, version and metrics stay open.
-    api_key: str = ""
-    # The CLI exits the process; an in-process server only drops its connections and stops
-    # listening, because exiting would take the test runner down with it.
-    exit_on_crash: bool = False
-    tokenize: bool = True  # serve vLLM's POST /tokenize
-
-    def __post_init__(self) -> None:
-        """Refuse a configuration that would make the simulator lie, naming the flag."""
-        problems = [
-            f"--{name.replace('_', '-')}={getattr(self, name)!r}"
-            for name, bad in (
-                ("output_tokens", self.output_tokens < 1),
-                ("max_model_len", self.max_model_len < 2),
-                ("embedding_dim", not 1 <= self.embedding_dim <= 65536),
-                ("max_concurrency", self.max_concurrency < 0),
-                ("fail_rate", not 0 <= self.fail_rate <= 1),
-                ("hang_rate", not 0 <= self.hang_rate <= 1),
-                ("fail_status", not 400 <= self.fail_status <= 599),
-                ("crash_after", self.crash_after < 0),
-                ("ttft_ms", self.ttft_ms < 0),
-                ("itl_ms", self.itl_ms < 0),
-                ("startup_delay", self.startup_delay < 0),
-                ("cached_tokens", self.cached_tokens < 0),
-            )
-            if bad
-        ]
-        if problems:
-            raise ValueError("invalid simulator settings: " + ", ".join(problems))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.served_model_names or (self.model,)
-
-    @property
-    def mode(self) -> str:
-        if self.ttft_ms or self.itl_ms:
-            return f"paced (ttft={self.ttft_ms:g}ms itl={self.itl_ms:g}ms)"
-        return "instant"
-
-
-@dataclass
-class SimStats:
-    """The counters behind ``/metrics``, for in-process assertions."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    success: dict[str, int] = field(default_factory=dict)  # by finish reason
-    cancelled: int = 0
-    failed: int = 0
-    inference_requests: int = 0
-
-
-class _Slots:
-    """``--max-concurrency``: requests past the limit wait in arrival order, visibly."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.running = 0
-        self.waiters: deque[asyncio.Future[None]] = deque()
-
-    def try_acquire(self) -> bool:
-        if self.waiters or (self.limit and self.running >= self.limit):
-            return False
-        self.running += 1
-        return True
-
-    async def acquire(self) -> None:
-        if self.try_acquire():
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # the slot was handed over just as we were cancelled
-            else:
-                with contextlib.suppress(ValueError):
-                    self.waiters.remove(waiter)
-            raise
-
-    def release(self) -> None:
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes on; running stays the same
-                return
-        self.running -= 1
 
 
 async def _sleep_until(deadline: float) -> None:
@@ -211,7 +76,15 @@ class SimServer:
         self.faults = NO_FAULTS
         self.faults_times: int | None = None  # None: until changed
         self.crashed = asyncio.Event()
-        self._slots = _Slots(config.max_concurrency)
+        pool = BlockPool(
+            config.num_gpu_blocks, config.block_size, caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            pool,
+            max_num_seqs=config.seq_limit,
+            prefill_tokens_per_s=config.prefill_tokens_per_s,
+            clock=time.monotonic,  # the loop's clock once started
+        )
         self._rng = random.Random(config.seed)
         self._conns: set[Connection] = set()
         self._server: asyncio.Server | None = None
@@ -228,7 +101,7 @@ class SimServer:
             "/metrics": {"GET": self._metrics},
             "/v1/models": {"GET": self._models},
             "/sim/faults": {"GET": self._faults, "POST": self._faults, "DELETE": self._faults},
-        } | {path: inference for path in _KINDS}
+        } | {path: inference for path in KINDS}
         if config.tokenize:
             self._routes["/tokenize"] = {"POST": self._tokenize}
 
@@ -237,6 +110,7 @@ class SimServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         config = self.config
+        self.scheduler.clock = loop.time
         self._ready_at = loop.time() + config.startup_delay
         self._server = await loop.create_server(
             lambda: Connection(
@@ -251,12 +125,16 @@ class SimServer:
         )
         self._port = int(self._server.sockets[0].getsockname()[1])
         log.info(
-            "sim listening on %s:%d model=%s mode=%s max_concurrency=%s startup_delay=%gs",
+            "sim listening on %s:%d model=%s mode=%s max_num_seqs=%s kv_blocks=%d "
+            "block_size=%d prefix_caching=%s startup_delay=%gs",
             self.host,
             self.port,
             ",".join(config.names),
             config.mode,
-            config.max_concurrency or "unlimited",
+            config.seq_limit or "unlimited",
+            config.num_gpu_blocks,
+            config.block_size,
+            "on" if config.enable_prefix_caching else "off",
             config.startup_delay,
         )
         if config.startup_delay > 0:
@@ -282,11 +160,11 @@ class SimServer:
 
     @property
     def running(self) -> int:
-        return self._slots.running
+        return self.scheduler.num_running
 
     @property
     def waiting(self) -> int:
-        return len(self._slots.waiters)
+        return self.scheduler.num_waiting
 
     async def close(self, grace: float | None = None) -> None:
         """Stop accepting, let in-flight requests finish within ``grace``, abort the rest."""
@@ -391,42 +269,12 @@ class SimServer:
         conn.respond(200, dumps({"object": "list", "data": cards}))
 
     def _metrics(self, conn: Connection, request: Request) -> None:
-        label = 'model_name="{}"'.format(
-            self.config.names[0].replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        )
-        stats = self.stats
-        usage = min(1.0, self._slots.running / (self.config.max_concurrency or 256))
-        reasons = {"stop": 0, "length": 0, **stats.success}
-        families: list[tuple[str, str, str, list[tuple[str, float]]]] = [
-            ("vllm:num_requests_running", "gauge", "Requests in execution batches.",
-             [(label, self._slots.running)]),
-            ("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.",
-             [(label, self.waiting)]),
-            ("vllm:gpu_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-             [(label, usage)]),
-            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-             [(label, usage)]),
-            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-             [(label, stats.prompt_tokens)]),
-            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
-             [(label, stats.generation_tokens)]),
-            ("vllm:request_success_total", "counter", "Count of successfully processed requests.",
-             [(f'finished_reason="{r}",{label}', n) for r, n in sorted(reasons.items())]),
-            ("sim:request_cancelled_total", "counter", "Requests whose client went away first.",
-             [(label, stats.cancelled)]),
-            ("sim:request_failed_total", "counter", "Requests failed by fault injection.",
-             [(label, stats.failed)]),
-        ]  # fmt: skip
-        lines = []
-        for name, kind, doc, samples in families:
-            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
-            lines += [f"{name}{{{labels}}} {float(value)!r}" for labels, value in samples]
-        body = ("\n".join(lines) + "\n").encode()
+        body = render(self.config, self.stats, self.scheduler)
         conn.respond(200, body, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _faults(self, conn: Connection, request: Request) -> None:
         if request.method == "POST":
-            raw = _json_body(request)
+            raw = json_body(request)
             times = raw.get("times")
             if times is not None and (not isinstance(times, int) or times < 1):
                 raise HttpError(400, "times must be a positive integer")
@@ -439,9 +287,9 @@ class SimServer:
         conn.respond(200, dumps({"faults": self.faults.as_json(), "times": self.faults_times}))
 
     def _tokenize(self, conn: Connection, request: Request) -> None:
-        """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` priced as the chat
-        route prices them; answers the count, the ids and the context length."""
-        body = _json_body(request)
+        """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` (and ``tools``) rendered
+        as the chat route renders them; answers the count, the ids and the context length."""
+        body = json_body(request)
         self._require_ready()
         model = body.get("model")
         if model is not None and model not in self.config.names:
@@ -450,12 +298,7 @@ class SimServer:
             messages = body["messages"]
             if not isinstance(messages, list):
                 raise HttpError(400, "messages must be a list")
-            words = [
-                w
-                for m in messages
-                if isinstance(m, dict)
-                for w in ["<msg>"] * MESSAGE_OVERHEAD_TOKENS + content_words(m.get("content"))
-            ]
+            words = chat_tokens(messages, body.get("tools"))
         elif isinstance(body.get("prompt"), str):
             words = body["prompt"].split()
         else:
@@ -476,15 +319,16 @@ class SimServer:
     # ---- inference
 
     def _inference(self, conn: Connection, request: Request) -> None:
-        body = _json_body(request)
+        body = json_body(request)
         self._require_ready()
         faults = self._faults_for(body)
         self.stats.inference_requests += 1
-        crash_after = self.config.crash_after
+        config = self.config
+        crash_after = config.crash_after
         if faults.crash or (crash_after and self.stats.inference_requests > crash_after):
             self._crash()
             return
-        job = self._plan(request, body, faults)
+        job = plan(config, request, body, faults)
         if faults.fail is not None:
             self.stats.failed += 1
             headers: tuple[tuple[str, str], ...] = ()
@@ -493,15 +337,21 @@ class SimServer:
             raise HttpError(
                 faults.fail, f"Simulated engine failure ({faults.fail})", headers=headers
             )
+        # The flag and the fault override what the cache says (a fault: an engine that lies).
+        override = config.cached_tokens if faults.cached_tokens is None else faults.cached_tokens
         instant = not (
             job.ttft
             or job.itl
+            or config.itl_ms_per_seq
+            or config.prefill_tokens_per_s
             or faults.hang
             or faults.fail_after_tokens is not None
             or faults.end_after_tokens is not None
         )
-        if instant and self._slots.try_acquire():
-            try:
+        if instant:
+            cached = self.scheduler.run_now(job.prompts, job.prompt_root, job.tokens, override)
+            if cached is not None:
+                job.cached = cached
                 if job.stream:  # one write, one syscall: head, every event, the last chunk
                     conn.write(
                         response_head(200, SSE_TYPE, None, conn.keep_alive)
@@ -512,10 +362,9 @@ class SimServer:
                 else:
                     conn.respond(200, job.full_body())
                 self._record(job)
-            finally:
-                self._slots.release()
-            return
-        conn.start(self._generate(conn, job))
+                return
+        work = work_for(job.prompts, override, job.prompt_root)
+        conn.start(self._generate(conn, job, work))
 
     def _faults_for(self, body: dict[str, Any]) -> Faults:
         try:
@@ -541,24 +390,43 @@ class SimServer:
         stats.generation_tokens += job.completion_tokens
         stats.success[job.finish] = stats.success.get(job.finish, 0) + 1
 
-    async def _generate(self, conn: Connection, job: Generation) -> None:
+    async def _step(self, work: Work, job: Generation, token: int) -> None:
+        """Wait until output token ``token`` (1-based) is due: the first after the prefill and
+        ``ttft``, each next one decoding step later (longer with more requests running). When
+        it returns, the request holds the blocks the token needs; a request preempted meanwhile
+        has waited to be scheduled again and for its prefill."""
+        scheduler = self.scheduler
+        if token == 1:
+            due = work.ready_at + job.ttft
+        else:
+            batch = scheduler.num_running - 1
+            due = work.due + job.itl + self.config.itl_ms_per_seq / 1000 * batch
+        await _sleep_until(due)
+        while not scheduler.grow(work, token):
+            await scheduler.resume(work)
+        if work.ready_at > due:  # preempted, and computed again since
+            due = work.ready_at
+            await _sleep_until(due)
+        work.due = due
+        work.emitted = token
+
+    async def _generate(self, conn: Connection, job: Generation, work: Work) -> None:
         """A paced, queued or faulty generation; the client's disconnect cancels it."""
         faults = job.faults
-        loop = asyncio.get_running_loop()
-        acquired = False
         try:
             if faults.hang == HANG_BEFORE_FIRST_BYTE:
-                await self._slots.acquire()
-                acquired = True
+                await self.scheduler.admit(work)
                 await _forever()
             if job.stream:  # vLLM's headers leave before the request is even scheduled
                 conn.start_stream()
-            await self._slots.acquire()
-            acquired = True
-            first = loop.time() + job.ttft
+            await self.scheduler.admit(work)
+            job.cached = work.cached
             cut = faults.fail_after_tokens
             if not job.stream:
-                await _sleep_until(first + job.itl * max(0, job.tokens - 1))
+                if not job.tokens:  # a pooled answer: the prefill is all there is
+                    await _sleep_until(work.ready_at + job.ttft)
+                for token in range(1, job.tokens + 1):
+                    await self._step(work, job, token)
                 body = job.full_body()
                 if faults.hang == HANG_MID_STREAM or cut is not None:
                     conn.write(response_head(200, JSON_TYPE, len(body), conn.keep_alive))
@@ -576,26 +444,28 @@ class SimServer:
                 # A clean end mid-answer: the last chunk of the body, no finish, no [DONE].
                 if ended:
                     conn.write(frame(job.open_events()))
-                for i in range(1, ended + 1):
-                    await _sleep_until(first + job.itl * (i - 1))
-                    conn.write(frame(job.token_events(i)))
+                for token in range(1, ended + 1):
+                    await self._step(work, job, token)
+                    conn.write(frame(job.token_events(token)))
                 conn.write(LAST_CHUNK)
                 conn.finish()
                 self.stats.failed += 1
                 return
             if cut == 0:
-                await _sleep_until(first)
+                await _sleep_until(work.ready_at + job.ttft)
                 self.stats.failed += 1
                 conn.cut()
                 return
-            for i in range(1, job.tokens + 1):
-                await _sleep_until(first + job.itl * (i - 1))
-                events = job.open_events() + job.token_events(1) if i == 1 else job.token_events(i)
+            for token in range(1, job.tokens + 1):
+                await self._step(work, job, token)
+                events = job.token_events(token)
+                if token == 1:
+                    events = job.open_events() + events
                 conn.write(frame(events))
                 await conn.drain()
                 if faults.hang == HANG_MID_STREAM:
                     await _forever()
-                if cut is not None and (i >= cut or i == job.tokens):
+                if cut is not None and (token >= cut or token == job.tokens):
                     self.stats.failed += 1
                     conn.cut()
                     return
@@ -606,187 +476,7 @@ class SimServer:
             self.stats.cancelled += 1
             raise
         finally:
-            if acquired:
-                self._slots.release()
-
-    def _plan(self, request: Request, body: dict[str, Any], faults: Faults) -> Generation:
-        """Validate the request as vLLM would and decide the whole generation up front."""
-        kind = _KINDS[request.path]
-        config = self.config
-        model = body.get("model")
-        if model is None:
-            model = config.names[0]
-        elif model not in config.names:
-            raise HttpError(404, f"The model `{model}` does not exist.")
-        base_id = request.headers.get("x-request-id", "")
-        if not (0 < len(base_id) <= 128 and base_id.replace("-", "").isalnum()):
-            base_id = new_id()  # vLLM adopts the caller's id; only a harmless one here
-        job = Generation(kind=kind, model=model, rid=_ID_PREFIXES[kind] + base_id, body=body)
-        job.faults = faults
-        job.ttft = (config.ttft_ms if faults.ttft_ms is None else faults.ttft_ms) / 1000
-        job.itl = (config.itl_ms if faults.itl_ms is None else faults.itl_ms) / 1000
-        if kind == "embeddings":
-            self._plan_embeddings(job, body)
-            return job
-        if kind == "rerank":
-            _plan_rerank(job, body)
-            return job
-        stream = body.get("stream") is True
-        options = body.get("stream_options")
-        if options is not None and not stream:
-            raise HttpError(400, "Stream options can only be defined when `stream=True`.")
-        if options is not None and not isinstance(options, dict):
-            raise HttpError(400, "stream_options must be an object")
-        job.stream = stream
-        job.include_usage = bool(options and options.get("include_usage"))
-        job.continuous = bool(
-            job.include_usage and options and options.get("continuous_usage_stats")
-        )
-        n = body.get("n", 1) if kind != "responses" else 1
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= _MAX_CHOICES:
-            raise HttpError(400, f"n must be an integer between 1 and {_MAX_CHOICES}")
-        if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise HttpError(400, "messages must be a non-empty list")
-            prompts = [count_chat_prompt_tokens(messages)]
-            limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        elif kind == "completion":
-            prompts = _completion_prompts(body.get("prompt"))
-            limit = body.get("max_tokens")
-        else:
-            if not isinstance(body.get("input"), str | list):
-                raise HttpError(400, "input must be a string or a list of items")
-            prompts = [count_responses_input_tokens(body.get("instructions"), body["input"])]
-            limit = body.get("max_output_tokens")
-        if limit is not None and (
-            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
-        ):
-            raise HttpError(400, f"max_tokens must be at least 1, got {limit}.")
-        longest = max(prompts)
-        room = config.max_model_len - longest
-        if room < 1 or (limit is not None and limit > room):
-            asked = longest + (limit or 0)
-            raise HttpError(
-                400,
-                f"This model's maximum context length is {config.max_model_len} tokens. "
-                f"However, you requested {asked} tokens ({longest} in the messages, "
-                f"{limit or 0} in the completion). Please reduce the length of the messages or "
-                "completion.",
-            )
-        natural = faults.output_tokens
-        if natural is None:
-            if limit is None:
-                tokens, finish = config.output_tokens, "stop"
-            else:
-                tokens, finish = limit, "length"  # like vLLM with ignore_eos: max_tokens it is
-        elif limit is not None and limit < natural:
-            tokens, finish = limit, "length"
-        else:
-            tokens, finish = natural, "stop"
-        if tokens > room:
-            tokens, finish = room, "length"
-        job.prompt_tokens = sum(prompts)
-        job.tokens, job.finish = tokens, finish
-        job.choices = n * len(prompts)
-        cached = config.cached_tokens if faults.cached_tokens is None else faults.cached_tokens
-        job.cached = min(cached, job.prompt_tokens)
-        return job
-
-    def _plan_embeddings(self, job: Generation, body: dict[str, Any]) -> None:
-        raw = body.get("input")
-        if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
-            raw = [raw]
-        if not isinstance(raw, list) or not raw:
-            raise HttpError(400, "input must be a string, a list of strings or token ids")
-        dim = body.get("dimensions") or self.config.embedding_dim
-        if not isinstance(dim, int) or not 1 <= dim <= 65536:
-            raise HttpError(400, "dimensions must be a positive integer")
-        as_base64 = body.get("encoding_format") == "base64"
-        data = []
-        for index, item in enumerate(raw):
-            if isinstance(item, str):
-                text, cost = item, max(1, count_text_tokens(item))
-            elif isinstance(item, list) and item and all(isinstance(t, int) for t in item):
-                text, cost = " ".join(map(str, item)), len(item)
-            else:
-                raise HttpError(400, "input must be a string, a list of strings or token ids")
-            job.prompt_tokens += cost
-            vector = embedding_vector(text, dim)
-            value: object = vector
-            if as_base64:  # little-endian float32, which the openai client decodes itself
-                value = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode()
-            data.append({"index": index, "object": "embedding", "embedding": value})
-        usage = {
-            "prompt_tokens": job.prompt_tokens,
-            "total_tokens": job.prompt_tokens,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-        }
-        job.pooled = dumps(
-            {
-                "id": job.rid,
-                "object": "list",
-                "created": job.created,
-                "model": job.model,
-                "data": data,
-                "usage": usage,
-            }
-        )
-
-
-def _plan_rerank(job: Generation, body: dict[str, Any]) -> None:
-    query, documents = body.get("query"), body.get("documents")
-    if not isinstance(query, str) or not isinstance(documents, list) or not documents:
-        raise HttpError(400, "query must be a string and documents a non-empty list")
-    texts = [d.get("text") if isinstance(d, dict) else d for d in documents]
-    if not all(isinstance(t, str) for t in texts):
-        raise HttpError(400, "documents must be strings or objects with a text")
-    top_n = body.get("top_n") or len(texts)
-    if not isinstance(top_n, int) or top_n < 0:
-        raise HttpError(400, "top_n must be a non-negative integer")
-    ranked = sorted(
-        ((rerank_score(query, str(t)), i, str(t)) for i, t in enumerate(texts)),
-        key=lambda r: (-r[0], r[1]),
-    )
-    results = [
-        {"index": i, "document": {"text": t, "multi_modal": None}, "relevance_score": score}
-        for score, i, t in ranked[:top_n]
-    ]
-    query_cost = count_text_tokens(query)
-    job.prompt_tokens = sum(max(1, query_cost + count_text_tokens(str(t))) for t in texts)
-    usage = {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens}
-    job.pooled = dumps({"id": job.rid, "model": job.model, "usage": usage, "results": results})
-
-
-def _json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(request.body)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise HttpError(400, f"Invalid JSON body: {err}") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "The request body must be a JSON object")
-    return body
-
-
-def _completion_prompts(prompt: object) -> list[int]:
-    """The prompt costs of a completions request: one prompt, or a batch of them."""
-    if isinstance(prompt, str) and prompt:
-        return [count_text_tokens(prompt) or 1]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [len(prompt)]
-        costs = []
-        for item in prompt:
-            if isinstance(item, str) and item:
-                costs.append(count_text_tokens(item) or 1)
-            elif isinstance(item, list) and item and all(isinstance(t, int) for t in item):
-                costs.append(len(item))
-            else:
-                raise HttpError(400, "Each prompt must be a non-empty string or token list")
-        if len(costs) <= _MAX_CHOICES:
-            return costs
-    raise HttpError(400, "Either prompt or prompt_embeds must be provided and non-empty.")
+            self.scheduler.release(work)
 
 
 # --------------------------------------------------------------------------- in-process use

@@ -1,4 +1,4 @@
-"""What the simulator says on the wire: vLLM's JSON and SSE shapes, and the token arithmetic.
+"""What the simulator says on the wire: vLLM's JSON and SSE shapes.
 
 Shapes follow vLLM 0.11's pydantic models as its server dumps them (``model_dump`` for
 bodies, ``exclude_unset`` for stream chunks, ``exclude_none`` for the final usage chunk), so
@@ -15,11 +15,9 @@ import json
 import os
 import struct
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Final
 
-MESSAGE_OVERHEAD_TOKENS: Final = 4
 HANG_BEFORE_FIRST_BYTE: Final = "before_first_byte"
 HANG_MID_STREAM: Final = "mid_stream"
 DONE_EVENT: Final = b"data: [DONE]\n\n"
@@ -37,62 +35,7 @@ def new_id() -> str:
     return os.urandom(16).hex()
 
 
-# --------------------------------------------------------------------------- token accounting
-
-
-def count_text_tokens(text: str) -> int:
-    """The prompt cost of a text: its whitespace-separated words."""
-    return len(text.split())
-
-
-def content_words(content: object) -> list[str]:
-    """The words of a message's content (a string or a list of parts): what it costs."""
-    if isinstance(content, str):
-        return content.split()
-    words: list[str] = []
-    for part in content if isinstance(content, list) else ():
-        if isinstance(part, str):
-            words += part.split()
-        elif isinstance(part, dict) and isinstance(part.get("text"), str):
-            words += part["text"].split()
-    return words
-
-
-def _content_tokens(content: object) -> int:
-    if isinstance(content, str):
-        return count_text_tokens(content)
-    if isinstance(content, list):
-        total = 0
-        for part in content:
-            if isinstance(part, str):
-                total += count_text_tokens(part)
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                total += count_text_tokens(part["text"])
-        return total
-    return 0
-
-
-def count_chat_prompt_tokens(messages: Sequence[object]) -> int:
-    """Words of every message's content (strings or lists of parts) plus a per-message cost."""
-    return sum(
-        MESSAGE_OVERHEAD_TOKENS + _content_tokens(m.get("content"))
-        for m in messages
-        if isinstance(m, dict)
-    )
-
-
-def count_responses_input_tokens(instructions: object, items: object) -> int:
-    """The Responses API's input priced like chat: instructions and each item are messages."""
-    total = 0
-    if isinstance(instructions, str):
-        total += MESSAGE_OVERHEAD_TOKENS + count_text_tokens(instructions)
-    if isinstance(items, str):
-        return total + MESSAGE_OVERHEAD_TOKENS + count_text_tokens(items)
-    for item in items if isinstance(items, list) else ():
-        if isinstance(item, dict):
-            content = item.get("content", item.get("output"))
-            total += MESSAGE_OVERHEAD_TOKENS + _content_tokens(content)
-    return total
+# --------------------------------------------------------------------------- generated text
 
 
 _TOKEN_TEXTS: list[str] = ["", "tok1"]
@@ -271,6 +214,8 @@ class Generation:
     faults: Faults = NO_FAULTS
     created: int = field(default_factory=lambda: int(time.time()))
     pooled: bytes = b""  # the finished body of an embeddings or rerank request
+    prompts: list[list[str]] = field(default_factory=list)  # each prompt's tokens
+    prompt_root: int = 0  # the parent hash of their first blocks (a template's, or none)
     seq: int = 0  # the Responses API numbers its stream events
     prefix: str = ""  # a stream chunk up to its choices, built once
 
@@ -279,7 +224,10 @@ class Generation:
         return self.tokens * self.choices
 
     def usage(self, completion: int | None = None, *, final: bool = True) -> str:
-        """The usage object; the per-chunk one (``final=False``) never carries details."""
+        """The usage object. As vLLM's (with ``--enable-prompt-tokens-details``, which the
+        simulator always has): ``prompt_tokens_details`` when some prompt tokens were cached,
+        none when none were, and never on the per-chunk usage (``final=False``) of
+        ``continuous_usage_stats``."""
         done = self.completion_tokens if completion is None else completion
         prompt = self.prompt_tokens
         if self.faults.report_prompt_tokens is not None:
@@ -287,7 +235,6 @@ class Generation:
         text = (
             f'{{"prompt_tokens":{prompt},"total_tokens":{prompt + done},"completion_tokens":{done}'
         )
-
         if self.cached and final:
             return text + f',"prompt_tokens_details":{{"cached_tokens":{self.cached}}}}}'
         return text + "}"

@@ -33,31 +33,14 @@ from agents.sim import (
     SimThread,
     count_chat_prompt_tokens,
     generated_text,
-    serve,
 )
+from tests.agents.conftest import SIM_MODEL, Starter
 from tests.harness.procs import REPO_ROOT, Proc
 from tests.harness.waits import await_until, wait_until
 
-MODEL = "sim-model"
+MODEL = SIM_MODEL
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "how are you today"}]
 USER_TOKENS = 4 + MESSAGE_OVERHEAD_TOKENS  # four words and one message
-
-Starter = Callable[..., Awaitable[SimServer]]
-
-
-@pytest_asyncio.fixture
-async def start_sim() -> AsyncIterator[Starter]:
-    """Start in-process simulators on free ports; all are closed after the test."""
-    servers: list[SimServer] = []
-
-    async def start(**overrides: Any) -> SimServer:
-        server = await serve(SimConfig(model=MODEL, **overrides))
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        await server.close(grace=0)
 
 
 @pytest_asyncio.fixture
