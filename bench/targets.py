@@ -146,7 +146,10 @@ def start_engine(stack: Stack, env: dict[str, str]) -> Proc:
     from tests.harness.factories import serve_model  # after django.setup()
 
     port = free_port()
+    # No cap on running requests: the held-streams levels (up to 1,000 streams) measure the
+    # gateway, not an engine's queue (the sim, like vLLM, runs 256 at a time by default).
     argv = [sys.executable, "-m", "agents.sim", "--port", str(port), "--model", MODEL]
+    argv += ["--max-num-seqs", "0"]
     sim = Proc("sim", argv, WORK, env, port=port).start()
     stack.procs.append(sim)
     pin(sim.wait_listening(), cpu=0)

@@ -16,14 +16,15 @@ import openai
 import pytest
 
 from agents.engines import launch
-from agents.protocol import Engine
+from agents.protocol.vocabulary import Engine
 from agents.sim import SimConfig, SimServer, chat_tokens, count_chat_prompt_tokens
 from agents.sim.cli import build_parser, config_from_args
 from agents.sim.kvcache import BlockPool, chain_hashes
 from agents.sim.scheduler import Scheduler, work_for
 from tests.agents.conftest import SIM_MODEL, Starter
 from tests.agents.test_agent_units import CTX, SHARD
-from tests.agents.test_sim import eventually, metrics, sse_payloads
+from tests.agents.test_sim import metrics, sse_payloads
+from tests.harness.waits import await_until
 
 BLOCK = 16
 
@@ -302,7 +303,7 @@ async def test_a_running_request_keeps_its_blocks_however_many_others_come(
         async def holding() -> bool:
             return (await metrics(http))["vllm:num_requests_running"] == 1
 
-        await eventually(holding)
+        await await_until(holding, interval=0.01)
         # Three blocks held, 3/8 of the cache; the others go round the five left many times.
         assert (await metrics(http))["vllm:kv_cache_usage_perc"] == 3 / 8
         for i in range(6):
@@ -316,9 +317,9 @@ async def test_a_request_the_cache_cannot_hold_yet_waits_visibly(start_sim: Star
     async with client_of(server) as http:
         slow = {"sim": {"ttft_ms": 1500}, "max_tokens": 1}
         first = asyncio.create_task(chat(http, user(words(76, "a")), **slow))  # five blocks
-        await eventually(lambda: _gauges(http, running=1, waiting=0))
+        await await_until(lambda: _gauges(http, running=1, waiting=0), interval=0.01)
         second = asyncio.create_task(chat(http, user(words(76, "b")), **slow))
-        await eventually(lambda: _gauges(http, running=1, waiting=1))
+        await await_until(lambda: _gauges(http, running=1, waiting=1), interval=0.01)
         answers = await asyncio.gather(first, second)
         assert [a["usage"]["completion_tokens"] for a in answers] == [1, 1]
         assert await _gauges(http, running=0, waiting=0)
@@ -358,7 +359,7 @@ async def test_past_max_num_seqs_requests_wait_and_show_as_waiting(start_sim: St
         calls = [
             asyncio.create_task(chat(http, user("hi"), sim={"ttft_ms": 1000})) for _ in range(3)
         ]
-        await eventually(lambda: _gauges(http, running=2, waiting=1))
+        await await_until(lambda: _gauges(http, running=2, waiting=1), interval=0.01)
         answers = await asyncio.gather(*calls)
     assert [a["usage"]["completion_tokens"] for a in answers] == [4, 4, 4]
 
@@ -376,7 +377,7 @@ async def test_a_miss_in_prefill_holds_up_the_request_behind_it(start_sim: Start
                         order.append(name)
 
         long = asyncio.create_task(first_token("long miss", words(2000)))  # a second
-        await eventually(lambda: _gauges(http, running=1, waiting=0))
+        await await_until(lambda: _gauges(http, running=1, waiting=0), interval=0.01)
         await first_token("short", words(1000, "s"))  # half a second, behind it
         await long
     assert order == ["long miss", "short"]
