@@ -47,10 +47,13 @@ _MASK = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class Bounds:
-    """How far affinity may load an upstream past the mean (settings ``LLMGW_ROUTING_*``)."""
+    """How far affinity may load an upstream past the mean (settings ``LLMGW_ROUTING_*``), and
+    how far a new prefix's agreed place may be from the least loaded."""
 
     factor: float = 1.25
-    slack: int = 2
+    slack: int = 16  # what a cool prefix's upstream may hold before the mean bounds it
+    cold_slack: int = 0
+    hot_slack: int = 1  # a prefix hotter than one upstream's share: bounded by the mean alone
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class Placement:
     lead: int | None = None  # its prompt's first block key (None: no full block)
     affinity: int | None = None  # the key of the session it names, if any
     matches: Mapping[str, int] = field(default_factory=dict)  # upstream id → blocks predicted
+    # Its prefix (or session) is more of the recent traffic than one upstream's fair share
+    # (``gateway.routing.shares``): it is spread at the mean, not kept where it is cached.
+    hot: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,10 +116,10 @@ def rendezvous(key: int, upstreams: Iterable[Upstream]) -> list[Upstream]:
     return sorted(pool, key=score, reverse=True)
 
 
-def bound_of(upstream: Upstream, total: int, weight: int, bounds: Bounds) -> int:
+def bound_of(upstream: Upstream, total: int, weight: int, slack: int, factor: float) -> int:
     """The outstanding requests ``upstream`` may have before it takes no more by affinity."""
-    share = math.ceil(bounds.factor * (total + 1) * upstream.weight / weight)
-    return max(bounds.slack, share)
+    share = math.ceil(factor * (total + 1) * upstream.weight / weight)
+    return max(slack, share)
 
 
 def choose_cached(
@@ -154,8 +160,19 @@ def choose_cached(
         return Choice(least, LEAST_LOADED, 0)
     total = sum(outstanding.get(u.id, 0) for u in pool)
     weight = sum(u.weight for u in pool)
+    if outcome == COLD:
+        # Nothing to lose by going elsewhere but agreement: the first in rendezvous order
+        # within ``cold_slack`` of the least loaded (per unit of weight), so new prefixes
+        # spread like load while processes that see alike still choose alike.
+        lightest = min(outstanding.get(u.id, 0) / u.weight for u in pool)
+        for rank, upstream in enumerate(order):
+            if outstanding.get(upstream.id, 0) / upstream.weight <= lightest + bounds.cold_slack:
+                return Choice(upstream, COLD if rank == 0 else SPILLED, 0)
+    slack = bounds.hot_slack if placement.hot else bounds.slack
     for rank, upstream in enumerate(order):
-        if outstanding.get(upstream.id, 0) < bound_of(upstream, total, weight, bounds):
+        if outstanding.get(upstream.id, 0) < bound_of(
+            upstream, total, weight, slack, bounds.factor
+        ):
             return Choice(upstream, outcome if rank == 0 else SPILLED, matches.get(upstream.id, 0))
     # Only with weights that make every share round up past the mean: the least loaded.
     least = choose(pool, outstanding, {}, now, offset=offset)

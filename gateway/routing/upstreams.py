@@ -41,6 +41,7 @@ from gateway.models import Endpoint
 from gateway.routing import prefix
 from gateway.routing.choice import LEAST_LOADED, Bounds, Choice, Placement, choose_cached
 from gateway.routing.mirrors import Learned, Mirrors
+from gateway.routing.shares import Shares
 from gateway.routing.table import (
     CatalogRow,
     EndpointRow,
@@ -150,6 +151,7 @@ class Upstreams:
         self._active_at: dict[str, float] = {}  # replica upstream id -> last finish, monotonic
         # What each upstream's prefix cache is expected to hold (routing by the cache).
         self.mirrors = Mirrors(int(settings.LLMGW_ROUTING_MIRROR_BLOCKS))
+        self.shares = Shares()  # each prefix's (or session's) part of the recent traffic
 
     # --- the table ------------------------------------------------------------------------
 
@@ -305,16 +307,21 @@ class Upstreams:
                 offset=next(self._rotation),
             )
             return None if upstream is None else Choice(upstream, LEAST_LOADED, 0)
+        key = affinity if affinity is not None else blocks.lead
+        # Hotter than one upstream's fair share: no one upstream can serve it, spread it.
+        hot = key is not None and self.shares.count(key) * len(route.upstreams) > 1.0
         choice = choose_cached(
             route.upstreams,
             self.outstanding,
             self.ejected_until,
             now,
             placement=Placement(
-                blocks.lead, affinity, self.mirrors.matches(_ids(route), blocks.keys)
+                blocks.lead, affinity, self.mirrors.matches(_ids(route), blocks.keys), hot
             ),
             bounds=Bounds(
-                float(settings.LLMGW_ROUTING_LOAD_FACTOR), int(settings.LLMGW_ROUTING_LOAD_SLACK)
+                float(settings.LLMGW_ROUTING_LOAD_FACTOR),
+                int(settings.LLMGW_ROUTING_LOAD_SLACK),
+                int(settings.LLMGW_ROUTING_COLD_SLACK),
             ),
             exclude=exclude,
             offset=next(self._rotation),
