@@ -49,8 +49,10 @@ $(LLAMA_STAMP): $(TEST_STAMP)
 venv: $(LLAMA_STAMP)
 
 # Plain http on loopback: cookies without the Secure flag unless LLMGW_HTTPS says otherwise.
+# var/ and the key in it are owner-only from the first byte, whatever the caller's umask (the
+# key signs every session); `manage.py run` closes what an older version left open.
 run: $(RUN_STAMP)
-	@mkdir -p var; test -s var/secret_key || $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > var/secret_key
+	@umask 077; mkdir -p var; test -s var/secret_key || $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > var/secret_key
 	SECRET_KEY=$$(cat var/secret_key) LLMGW_HTTPS=$${LLMGW_HTTPS:-false} $(PY) manage.py run
 
 lint: $(TEST_STAMP)
