@@ -21,9 +21,9 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from django.conf import settings
 
@@ -44,18 +44,21 @@ def restrict_umask() -> None:
 def llmgw_paths() -> list[Path]:
     """What llmgw writes to on this machine: the var folder, the folders that may be moved out
     of it, and an SQLite store's files wherever the store is."""
-    paths = [
+    return [
         Path(settings.VAR_DIR),
         Path(settings.LLMGW_CA_DIR),
         Path(settings.LLMGW_USAGE_JOURNAL_DIR),
         Path(settings.PROMETHEUS_MULTIPROC_DIR),
+        *store_files(settings.DATABASES["default"]),
     ]
-    database = settings.DATABASES["default"]
-    if database["ENGINE"] == "django.db.backends.sqlite3" and database["NAME"] != ":memory:":
-        store = Path(str(database["NAME"]))
-        suffixes = ("", "-wal", "-shm", "-journal")
-        paths += [store.with_name(store.name + suffix) for suffix in suffixes]
-    return paths
+
+
+def store_files(database: Mapping[str, Any]) -> list[Path]:
+    """An SQLite store's file and the ones SQLite keeps beside it; none for another store."""
+    if database["ENGINE"] != "django.db.backends.sqlite3" or database["NAME"] == ":memory:":
+        return []
+    store = Path(str(database["NAME"]))
+    return [store.with_name(store.name + end) for end in ("", "-wal", "-shm", "-journal")]
 
 
 def tighten(paths: Iterable[Path]) -> list[tuple[Path, int]]:
@@ -86,7 +89,7 @@ def tighten(paths: Iterable[Path]) -> list[tuple[Path, int]]:
 def _outermost(paths: Iterable[Path]) -> list[Path]:
     """The given paths as they are on disk (a configured folder may be a link to another),
     without those inside another of them."""
-    resolved = sorted({path.resolve() for path in paths}, key=lambda path: len(path.parts))
+    resolved = sorted({path.resolve() for path in paths}, key=lambda path: (len(path.parts), path))
     kept: list[Path] = []
     for path in resolved:
         if not any(path.is_relative_to(outer) for outer in kept):

@@ -8,6 +8,7 @@ with the embedded default's store (SQLite under the var folder)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from llmgw_site import owner_only
 from tests.harness.modes import (
     assert_owner_only,
     everything_under,
@@ -28,7 +30,9 @@ from tests.harness.procs import REPO_ROOT, Proc, free_port, port_window
 from tests.harness.store import process_env
 from tests.harness.waits import wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# The tests that start llmgw's processes.
+e2e = pytest.mark.e2e
+slow = pytest.mark.timeout(300)
 
 
 def embedded_env(var: Path, **extra: str) -> dict[str, str]:
@@ -64,6 +68,8 @@ def manage(env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
+@e2e
+@slow
 def test_everything_make_run_writes_is_owner_only_from_a_shell_with_umask_022(
     tmp_path: Path,
 ) -> None:
@@ -116,6 +122,8 @@ def test_everything_make_run_writes_is_owner_only_from_a_shell_with_umask_022(
     assert_owner_only(var)  # and what stopping wrote
 
 
+@e2e
+@slow
 def test_make_run_closes_a_var_folder_an_older_version_left_open_and_says_what_it_closed(
     tmp_path: Path,
 ) -> None:
@@ -144,6 +152,8 @@ def test_make_run_closes_a_var_folder_an_older_version_left_open_and_says_what_i
     assert "owner-only" not in banner  # nothing left to close: nothing said
 
 
+@e2e
+@slow
 def test_the_makefiles_run_writes_its_secret_key_owner_only_from_a_shell_with_umask_022(
     tmp_path: Path,
 ) -> None:
@@ -163,3 +173,54 @@ def test_the_makefiles_run_writes_its_secret_key_owner_only_from_a_shell_with_um
     assert mode(tmp_path / "var") == 0o700
     assert mode(tmp_path / "var" / "secret_key") == 0o600
     assert len((tmp_path / "var" / "secret_key").read_text().strip()) >= 50
+
+
+def test_closing_the_var_folder_never_follows_a_link_out_of_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link in the var folder (planted, or an operator's) is not a way to change the modes of
+    what lies outside it."""
+    var, outside = tmp_path / "var", tmp_path / "outside"
+    (outside / "folder").mkdir(parents=True)
+    for path in (outside / "file", outside / "folder" / "file", var / "store"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+        path.chmod(0o644)
+    for folder in (var, outside / "folder"):
+        folder.chmod(0o755)
+    (var / "to-a-file").symlink_to(outside / "file")
+    (var / "to-a-folder").symlink_to(outside / "folder")
+
+    with caplog.at_level(logging.WARNING, logger="llmgw_site.owner_only"):
+        closed = owner_only.tighten([var])
+    assert closed == [(var, 0o755), (var / "store", 0o644)]
+    assert (mode(var), mode(var / "store")) == (0o700, 0o600)
+    assert mode(outside / "file") == mode(outside / "folder" / "file") == 0o644
+    assert mode(outside / "folder") == 0o755
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"made owner-only what other local users could open: {var} (was 0755), "
+        f"{var / 'store'} (was 0644)"
+    )
+    assert owner_only.tighten([var]) == []  # nothing left to close
+
+
+def test_a_store_outside_the_var_folder_is_closed_with_its_wal_and_journal(
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "elsewhere" / "llmgw.sqlite3"
+    files = owner_only.store_files({"ENGINE": "django.db.backends.sqlite3", "NAME": str(store)})
+    assert [path.name for path in files] == [
+        "llmgw.sqlite3",
+        "llmgw.sqlite3-wal",
+        "llmgw.sqlite3-shm",
+        "llmgw.sqlite3-journal",
+    ]
+    assert owner_only.store_files({"ENGINE": "django.db.backends.postgresql", "NAME": "x"}) == []
+    store.parent.mkdir()
+    for path in files[:2]:
+        path.write_text("x")
+        path.chmod(0o644)
+    closed = owner_only.tighten(files)  # the -shm and -journal do not exist: nothing to do
+    assert sorted(path.name for path, _ in closed) == ["llmgw.sqlite3", "llmgw.sqlite3-wal"]
+    assert mode(files[0]) == mode(files[1]) == 0o600
