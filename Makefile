@@ -4,7 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Two install steps: `make run` needs only the runtime (requirements.txt); the test tools
-# (requirements-dev.txt) come with the first `make test`. Each step has its stamp.
+# (requirements-dev.txt) come with the first `make test`. Each step has its stamp. Every file
+# installed is checked against the hashes the lockfiles pin (--require-hashes): a package
+# changed on the index, or a mirror's other build of it, is refused.
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 LLAMA_STAMP := $(VENV)/.installed-llamacpp
@@ -17,21 +19,26 @@ typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite 
 # keep Python's caches (__pycache__, ignored by git).
 pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres: export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: proto run test venv lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
+.PHONY: proto run test venv audit lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(RUN_STAMP): requirements.txt | $(VENV)/bin/python
-	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --require-hashes -r requirements.txt
 	touch $@
+
+# A lockfile entry is its `name==version \` line and the `--hash` lines continuing it: this
+# awk program prints the entries of llama-cpp-python (LLAMA_ENTRY=1) or all others (=0).
+LLAMA_ENTRY = awk -v want=$(1) '/^[^ \#]/ { llama = /^llama-cpp-python==/ } llama == want' \
+  requirements-dev.txt
 
 $(TEST_STAMP): $(RUN_STAMP) requirements-dev.txt
 	# Every test tool but llama-cpp-python, which compiles llama.cpp: that one builds beside the
 	# checks and the passes (LLAMA_STAMP), and only the tests that start it wait for it.
-	grep -v '^llama-cpp-python==' requirements-dev.txt > $(VENV)/requirements-dev-now.txt
-	$(PY) -m pip install --quiet -r requirements.txt -r $(VENV)/requirements-dev-now.txt
+	$(call LLAMA_ENTRY,0) > $(VENV)/requirements-dev-now.txt
+	$(PY) -m pip install --quiet --require-hashes -r requirements.txt -r $(VENV)/requirements-dev-now.txt
 	touch $@
 
 # llama-cpp-python (the real llama.cpp server in the agent and usage tests) from source: its
@@ -41,17 +48,29 @@ $(TEST_STAMP): $(RUN_STAMP) requirements-dev.txt
 # left: 250 CPU-seconds here instead of 511; tests/harness/llama_cpp_build.cmake says how).
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS_RELEASE=-O1 -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
   -DCMAKE_PROJECT_llama.cpp_INCLUDE_BEFORE=$(CURDIR)/tests/harness/llama_cpp_build.cmake
+# The source distribution is hash-checked like every other file (its build tools, installed by
+# pip for the build alone, are not: pip checks hashes only of what it installs here).
 $(LLAMA_STAMP): $(TEST_STAMP)
+	$(call LLAMA_ENTRY,1) > $(VENV)/requirements-llamacpp-now.txt
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-	  $(PY) -m pip install --quiet --no-deps "$$(grep '^llama-cpp-python==' requirements-dev.txt)"
+	  $(PY) -m pip install --quiet --no-deps --require-hashes -r $(VENV)/requirements-llamacpp-now.txt
 	touch $@
 
 venv: $(LLAMA_STAMP)
 
 # Plain http on loopback: cookies without the Secure flag unless LLMGW_HTTPS says otherwise.
+# var/ and the key in it are owner-only from the first byte, whatever the caller's umask (the
+# key signs every session); `manage.py run` closes what an older version left open.
 run: $(RUN_STAMP)
-	@mkdir -p var; test -s var/secret_key || $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > var/secret_key
+	@umask 077; mkdir -p var; test -s var/secret_key || $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > var/secret_key
 	SECRET_KEY=$$(cat var/secret_key) LLMGW_HTTPS=$${LLMGW_HTTPS:-false} $(PY) manage.py run
+
+# The lockfiles' pins against published security advisories (OSV records; where they come from:
+# tests/harness/advisories.py): a pin a known vulnerability affects fails `make test`. Where no
+# advisory source can be reached it says loudly that nothing was checked (LLMGW_ADVISORIES: a
+# copy of OSV's export of PyPI, all.zip, or a folder of OSV records).
+audit: $(RUN_STAMP)
+	$(PY) -m tests.harness.advisories requirements.txt requirements-dev.txt
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
@@ -102,7 +121,7 @@ pytest-llamacpp-postgres: $(LLAMA_STAMP)
 # waiting on the processes it starts, so the checks, both passes and llama.cpp's build (first
 # in the list, so it starts first) share two cores well.
 test: $(TEST_STAMP)
-	$(MAKE) --no-print-directory -j7 --output-sync=target pytest-llamacpp-sqlite pytest-llamacpp-postgres lint typecheck migrations-check pytest-sqlite pytest-postgres
+	$(MAKE) --no-print-directory -j8 --output-sync=target pytest-llamacpp-sqlite pytest-llamacpp-postgres lint typecheck migrations-check audit pytest-sqlite pytest-postgres
 
 bench: $(RUN_STAMP)
 	$(PY) -m bench

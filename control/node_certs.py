@@ -3,7 +3,8 @@
 ``manage.py init_ca`` makes the CA (and the agent listener's server certificate) in
 ``LLMGW_CA_DIR``; ``issue_node_cert NODE`` writes a node's certificate and key, the node's name
 as the certificate's common name; ``revoke_node_cert NODE`` ends it. Private keys are written
-mode 0600 and never leave the file they are written to.
+mode 0600 (and the certificates beside them: every file here is its owner's alone) and never
+leave the file they are written to.
 
 Revocation is an allowlist rather than a list of the revoked: a node has exactly one valid
 certificate, the one whose serial number its row holds (:attr:`Node.cert_serial`). Issuing a
@@ -56,9 +57,10 @@ def serial_hex(cert: x509.Certificate) -> str:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write a secret file readable by its owner only, from the first byte (never chmod after:
-    the file would be world-readable in between)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write a file readable by its owner only, from the first byte (never chmod after: the
+    file would be world-readable in between). Certificates too: nobody else on this machine
+    has a reason to read them."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT; make it 0600
     with os.fdopen(fd, "wb") as handle:
@@ -154,14 +156,14 @@ def init_ca(ca_dir: Path, server_names: list[str], *, force: bool = False) -> Pa
         )
         .sign(key, hashes.SHA256())
     )
-    ca_dir.mkdir(parents=True, exist_ok=True)
+    ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_private(ca_dir / CA_KEY, _key_pem(key))
-    ca_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    write_private(ca_path, cert.public_bytes(serialization.Encoding.PEM))
     server_cert, server_key = _leaf(
         cert, key, server_names[0], server_names, ExtendedKeyUsageOID.SERVER_AUTH
     )
     write_private(ca_dir / SERVER_KEY, _key_pem(server_key))
-    (ca_dir / SERVER_CERT).write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    write_private(ca_dir / SERVER_CERT, server_cert.public_bytes(serialization.Encoding.PEM))
     return ca_path
 
 
@@ -222,15 +224,15 @@ def issue_node_cert(name: str, ca_dir: Path, out_dir: Path) -> IssuedCert:
     """A new certificate and key for node ``name`` (see :func:`mint_node_cert`) written to
     ``out_dir``, with a copy of the CA certificate the agent verifies the control plane by."""
     minted = mint_node_cert(name, ca_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     key_path, cert_path, ca_path = (
         out_dir / f"{name}.key",
         out_dir / f"{name}.pem",
         out_dir / CA_CERT,
     )
     write_private(key_path, minted.key_pem)
-    cert_path.write_bytes(minted.cert_pem)
-    ca_path.write_bytes(minted.ca_pem)
+    write_private(cert_path, minted.cert_pem)
+    write_private(ca_path, minted.ca_pem)
     return IssuedCert(cert_path, key_path, ca_path, minted.serial)
 
 

@@ -41,7 +41,9 @@ def write_atomically(folder: str, name: str, data: bytes) -> None:
     """
     temporary = os.path.join(folder, f".{uuid.uuid4().hex}.partial")
     try:
-        with open(temporary, "wb") as handle:
+        # Owner-only from the first byte: a task's arguments are no other local user's to read.
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

@@ -17,6 +17,7 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
+from llmgw_site import owner_only
 from llmgw_site.config import (
     DEFAULT_IDLE_LINGER,
     DEFAULT_SHUTDOWN_GRACE,
@@ -35,10 +36,14 @@ from llmgw_site.config import (
 # Generic admin and queryset classes (ModelAdmin[Node]) must be subscriptable at run time.
 django_stubs_ext.monkeypatch()
 
+# Before anything is created: the store, the secret key, the CA and the journals are this
+# user's alone, whatever the umask of the shell that started the process (llmgw_site.owner_only).
+owner_only.restrict_umask()
+
 ENV = os.environ
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str(ENV, "LLMGW_VAR_DIR", str(BASE_DIR / "var")))
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 LLMGW_VERSION = "0.1.0"
 
@@ -246,7 +251,7 @@ else:
 _broker_dir = VAR_DIR / "broker"
 if not REDIS_URL:
     for _folder in ("processed", "bindings"):
-        (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
+        (_broker_dir / _folder).mkdir(mode=0o700, parents=True, exist_ok=True)
 # Without Redis: kombu's filesystem transport made atomic (llmgw_site.broker), which
 # llmgw_site.celery registers under this scheme.
 CELERY_BROKER_URL = REDIS_URL or "llmgwfs://localhost/"
@@ -415,7 +420,7 @@ LLMGW_METRICS_TOKEN: str = env_str(ENV, "LLMGW_METRICS_TOKEN", "")
 PROMETHEUS_MULTIPROC_DIR = Path(
     env_str(ENV, "PROMETHEUS_MULTIPROC_DIR", str(VAR_DIR / "prometheus"))
 )
-PROMETHEUS_MULTIPROC_DIR.mkdir(parents=True, exist_ok=True)
+PROMETHEUS_MULTIPROC_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(PROMETHEUS_MULTIPROC_DIR)
 # django-prometheus would query the database while apps load; the fleet gauges cover it.
 PROMETHEUS_EXPORT_MIGRATIONS = False

@@ -358,7 +358,7 @@ def reset_multiprocess_dir(path: Path | None = None) -> None:
     """Empty the directory. Call once when the whole web tier starts (before any web process),
     so the sums restart with the service instead of carrying files of an earlier run."""
     path = path or multiprocess_dir()
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name in glob.glob(str(path / "*.db")):
         with contextlib.suppress(FileNotFoundError):
             os.remove(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -85,7 +86,7 @@ class Reconciler:
 def _one_tick_at_a_time() -> Iterator[bool]:
     """A host-wide lock (a worker with several processes, or a `reconcile --loop` beside it)."""
     path = settings.VAR_DIR / "reconciler.lock"
-    with open(path, "a") as handle:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

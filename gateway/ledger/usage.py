@@ -259,8 +259,12 @@ def _describe(exc: BaseException) -> str:
 def dead_letter(refused: list[tuple[Usage, str]], directory: Path | None = None) -> None:
     """Set rows the store refused aside: a line each in the dead-letter journal (kept for an
     operator to read and fix, never replayed by itself), the metric, and one Event."""
-    folder = (directory or Path(settings.LLMGW_USAGE_JOURNAL_DIR)) / DEAD_LETTER_DIR
-    folder.mkdir(parents=True, exist_ok=True)
+    journals = directory or Path(settings.LLMGW_USAGE_JOURNAL_DIR)
+    folder = journals / DEAD_LETTER_DIR
+    # Owner-only (the rows name keys, users and models), both levels: the parents mkdir makes
+    # get the umask's mode, not this one.
+    journals.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
     path = folder / f"{store_id()}.jsonl"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
@@ -522,7 +526,7 @@ class Recorder:
 
     def _open_segment(self) -> None:
         directory = self.directory()
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._pid = os.getpid()
         path = directory / f"{store_id()}.{self._pid}-{secrets.token_hex(4)}.journal"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

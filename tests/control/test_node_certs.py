@@ -16,6 +16,7 @@ from django.core.management import CommandError, call_command
 
 from control import node_certs, node_tokens
 from control.models import Event, Node
+from tests.harness.modes import assert_owner_only, umask
 
 pytestmark = pytest.mark.django_db
 
@@ -99,3 +100,22 @@ def test_every_close_code_has_a_grpc_status_of_its_own_meaning() -> None:
     assert unknown == []
     assert grpc_status(CloseCode.RATE_LIMITED).name == "RESOURCE_EXHAUSTED"
     assert grpc_status(CloseCode.FORBIDDEN).name == "PERMISSION_DENIED"
+
+
+def test_the_ca_and_a_nodes_certificate_are_owner_only_whatever_the_umask(
+    tmp_path: Path, settings: Any
+) -> None:
+    """Another local user reads neither the CA nor a node's files, even when the process
+    creating them has a umask that lets everyone read and write (000). (Folders above the one
+    named, where missing, get their mode from the umask, which the settings restrict.)"""
+    settings.LLMGW_CA_DIR = tmp_path / "ca"
+    with umask(0):
+        call_command("init_ca", stdout=StringIO())
+        out = ["--output-dir", str(tmp_path / "n1")]
+        call_command("issue_node_cert", "n1", *out, stdout=StringIO())
+    assert {"ca.pem", "ca.key", "server.pem", "server.key"} <= {
+        path.name for path in (tmp_path / "ca").iterdir()
+    }
+    assert {path.name for path in (tmp_path / "n1").iterdir()} == {"n1.key", "n1.pem", "ca.pem"}
+    assert_owner_only(tmp_path / "ca")
+    assert_owner_only(tmp_path / "n1")

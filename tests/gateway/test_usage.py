@@ -17,6 +17,7 @@ from gateway.ledger import usage
 from gateway.ledger.usage import Usage
 from gateway.models import UsageRecord
 from tests.harness.live import close_db_thread
+from tests.harness.modes import assert_owner_only, umask
 
 
 @pytest.fixture(autouse=True)
@@ -276,3 +277,20 @@ def test_replay_command_never_fails_start_up_when_the_store_refuses(
     monkeypatch.setattr(usage, "store_rows", down)
     call_command("replay_usage", dir=tmp_path)  # no exception: start-up goes on
     assert (tmp_path / journal_name(555)).exists()  # kept for the next sweep
+
+
+def test_journals_and_dead_letters_are_owner_only_whatever_the_umask(
+    tmp_path: Path, settings: Any
+) -> None:
+    """What a request cost, and who made it, is read by no other local user, even when the
+    web process has a umask that lets everyone read and write (000)."""
+    folder = tmp_path / "usage"
+    settings.LLMGW_USAGE_JOURNAL_DIR = folder
+    recorder = usage.Recorder()
+    with umask(0):
+        usage.store_rows([record("refused", status=-1)])  # the dead letters' folder first
+        recorder.start(record("in-flight"))
+    assert recorder._path is not None and recorder._path.parent == folder
+    assert (folder / usage.DEAD_LETTER_DIR / f"{usage.store_id()}.jsonl").exists()
+    assert_owner_only(folder)
+    recorder.close()

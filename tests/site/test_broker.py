@@ -23,6 +23,7 @@ from kombu.connection import Connection
 
 from llmgw_site import broker
 from llmgw_site.management.commands.run import celery_argv
+from tests.harness.modes import mode, umask
 from tests.harness.procs import Proc
 from tests.harness.store import child_env
 from tests.harness.waits import wait_until
@@ -82,6 +83,14 @@ def test_a_consumer_racing_a_producer_reads_every_message_whole(tmp_path: Path) 
     assert not errors, f"a message was read torn: {errors[0]!r}"
     assert sorted(received) == list(range(MESSAGES))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary left"
+
+
+def test_a_message_is_owner_only_whatever_the_umask(tmp_path: Path) -> None:
+    """A task's arguments are read by no other local user, even when the process sending it
+    has a umask that lets everyone read and write (000)."""
+    with umask(0):
+        broker.write_atomically(str(tmp_path), "1_a.celery.msg", b"{}")
+    assert mode(tmp_path / "1_a.celery.msg") == 0o600
 
 
 def lease_renewals() -> int | None:

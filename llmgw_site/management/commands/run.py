@@ -30,7 +30,7 @@ from control import node_tokens
 from control.models import Event, Profile, ServedModel
 from gateway.identity import keys
 from gateway.models import ApiKey, Endpoint
-from llmgw_site import launcher, listeners
+from llmgw_site import launcher, listeners, owner_only
 from telemetry import metrics
 
 DEMO_KEY_NAME = "make run demo"
@@ -220,6 +220,8 @@ class Command(BaseCommand):
     ) -> None:
         if web_processes < 1:
             raise CommandError("--web-processes must be at least 1")
+        # Before the store is opened: what an older version left open to others is closed.
+        owner_only.tighten(owner_only.llmgw_paths())
         addresses = {"client": (host, port)}
         for role, raw in (
             ("admin", admin_listen),
