@@ -1122,12 +1122,12 @@ def test_with_identity_required_a_node_token_opens_no_websocket_stream(
     process too: a valid node token is refused on the WebSocket stream at the handshake (HTTP
     403 saying why), so no transport takes a token where certificates are required. The
     certified agents are served over gRPC throughout."""
-    token = node_tokens.issue_node_token("n3")
+    token = node_tokens.issue_node_token("tokens-only")
     with pytest.raises(InvalidStatus) as refused:
-        _handshake(fleet, token, "n3")
+        _handshake(fleet, token, "tokens-only")
     assert refused.value.response.status_code == 403
     assert b"node certificate" in refused.value.response.body
-    assert Node.objects.get(name="n3").last_heartbeat_at is None
+    assert Node.objects.get(name="tokens-only").last_heartbeat_at is None
     for name in ("n1", "n2"):
         assert node_health(name) == "ready"
     web = fleet.control_planes[0].web
