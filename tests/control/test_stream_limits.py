@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+import redis
 from channels.db import database_sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
@@ -71,8 +72,6 @@ def counts_in(request: pytest.FixtureRequest, settings: Any) -> Iterator[str]:
     if request.param == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         settings.REDIS_URL = server.url
-        import redis
-
         redis.Redis.from_url(server.url).flushall()
     else:
         settings.REDIS_URL = ""
@@ -324,8 +323,6 @@ def test_a_node_reconnecting_through_two_web_processes_is_refused_past_its_limit
     if with_redis:
         server: RedisServer = request.getfixturevalue("redis_server")
         redis_url = server.url
-        import redis
-
         redis.Redis.from_url(redis_url).flushall()
     settings = {
         "LLMGW_AGENT_HELLO_LIMIT": str(LIMIT),
