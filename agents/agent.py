@@ -40,13 +40,28 @@ def stream_url(url: str) -> str:
     return links.parse_target(url, links.WEBSOCKET, insecure=True).url
 
 
+# The step stops doubling here: 2**30 times the base is past any cap an agent is given.
+AT_THE_CAP: Final = 30
+
+
 def backoff_delay(
     failures: int, *, base: float, cap: float, rand: Callable[[], float] = random.random
 ) -> float:
     """Capped exponential backoff with "equal jitter": half the step is fixed, half random,
     so retries spread out but never hammer at zero delay."""
-    step = min(cap, base * 2.0 ** min(failures, 30))
+    step = min(cap, base * 2.0 ** min(failures, AT_THE_CAP))
     return step / 2 + rand() * step / 2
+
+
+# A close that says "slow down": more messages than a stream may send, or more streams of this
+# node than the control plane takes in its window (4429). The next try waits the backoff's
+# cap (with its jitter), not its first short steps: each early try would only add to the
+# node's count and keep it refused.
+SLOW_DOWN_CLOSE_CODES = frozenset({CloseCode.RATE_LIMITED})
+
+
+def told_to_slow_down(close_code: int | None) -> bool:
+    return close_code in SLOW_DOWN_CLOSE_CODES
 
 
 # A close that says "this process is stopping", not "something is wrong": reconnect at once
@@ -119,7 +134,12 @@ class Agent:
                 welcomed = await self._connect(target, stop)
             except InvalidStatus as exc:
                 status = exc.response.status_code
-                if status in (401, 403):
+                # A control plane that says why (node tokens not accepted there) is quoted;
+                # a refused credential is never told why.
+                why = (exc.response.body or b"").decode(errors="replace").strip()[:300]
+                if status in (401, 403) and why:
+                    logger.error("%s refused this agent (HTTP %s): %s", url, status, why)
+                elif status in (401, 403):
                     self._log_refused(url, f"HTTP {status}")
                 else:
                     logger.warning("%s answered the handshake with HTTP %s", url, status)
@@ -129,20 +149,27 @@ class Agent:
                 logger.warning("cannot reach %s: %s", url, exc or type(exc).__name__)
             except (ConnectionClosed, links.LinkClosed) as exc:
                 logger.warning("connection to %s lost: %s", url, exc)
+                if self.last_close_code is None:  # (closed before hello was answered)
+                    self.last_close_code = (
+                        exc.code
+                        if isinstance(exc, links.LinkClosed)
+                        else (exc.rcvd.code if exc.rcvd else None)
+                    )
             if stop.is_set():
                 break
+            slow_down = told_to_slow_down(self.last_close_code)
             if welcomed and after_stopping_close(self.last_close_code):
                 failures = 0
                 index += 1  # that control plane is going away: the next one, now
                 delay = self.rand() * STOPPING_JITTER_SECONDS
             else:
-                if welcomed:
+                if welcomed and not slow_down:
                     failures = 0  # it worked until now; start over gently, on the same URL
                 else:
                     failures += 1
                     index += 1  # try the next control plane
                 delay = backoff_delay(
-                    failures,
+                    AT_THE_CAP if slow_down else failures,
                     base=self.config.backoff_base,
                     cap=self.config.backoff_max,
                     rand=self.rand,
@@ -292,6 +319,7 @@ class Agent:
             return None
         if isinstance(answer, ErrorMessage):
             logger.error("the control plane refused hello: %s (%s)", answer.message, answer.code)
+            self.last_close_code = answer.code
             return None
         if not isinstance(answer, Welcome):
             logger.error("the control plane answered hello with %s, not welcome", type(answer))

@@ -2,11 +2,13 @@
 thin servicer that hands frames to :class:`control.agent_sessions.AgentSession`, the same
 session logic the WebSocket consumer drives.
 
-Authentication happens before any session code runs. With ``LLMGW_AGENT_REQUIRE_IDENTITY`` the
-listener admits only clients with a certificate from the cluster CA (the TLS layer verifies
-it), and the node is the one the certificate names; no token is needed. Without it, the
-listener (TLS when ``init_ca`` made a server certificate) takes the node token from the call's
-``authorization`` metadata, as the WebSocket handshake does.
+Authentication happens before any session code runs. With ``LLMGW_AGENT_REQUIRE_IDENTITY``
+(node certificates on every transport) or ``LLMGW_AGENT_GRPC_REQUIRE_IDENTITY`` (on this
+listener alone) the listener admits only clients with a certificate from the cluster CA (the
+TLS layer verifies it), and the node is the one the certificate names; no token is taken.
+Without either, the listener (TLS when ``init_ca`` made a server certificate) takes the node
+token from the call's ``authorization`` metadata, as the WebSocket handshake does. A node past
+its streams per window (:mod:`control.stream_limits`) is then ended with 4429, as there.
 
 A close is the end of the call: the session's error message is the last frame, the protocol's
 close code is in the trailing metadata, and gRPC's status says the same in gRPC's words.
@@ -35,7 +37,7 @@ from agents import grpc_wire
 from agents.protocol.codec import encode
 from agents.protocol.messages import ErrorMessage
 from agents.protocol.vocabulary import MAX_MESSAGE_BYTES, CloseCode, ProtocolError
-from control import node_certs, node_tokens, nudges
+from control import node_certs, node_tokens, nudges, stream_limits
 from control.agent_plumbing import in_credentials_thread
 from control.agent_sessions import AgentSession
 
@@ -132,6 +134,7 @@ class AgentServicer:
             identity = await in_credentials_thread(authenticate)(
                 metadata, peer_cert, require_identity=self.require_identity
             )
+            refusal = await in_credentials_thread(stream_limits.admit)(identity)
         except node_tokens.TokenRejected as exc:
             logger.warning("agent stream from %s refused: %s", _peer(context), exc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "node credentials refused")
@@ -141,6 +144,9 @@ class AgentServicer:
             await self._end(
                 context, CloseCode.STORE_UNAVAILABLE, "the control plane's store is unavailable"
             )
+            return
+        if refusal is not None:
+            await self._end(context, CloseCode.RATE_LIMITED, refusal.message)
             return
         transport = _Stream(context)
         session = AgentSession(identity, transport)
@@ -268,6 +274,11 @@ async def _nudges(session: AgentSession) -> None:
 # --------------------------------------------------------------------------- the server
 
 
+def required_identity() -> bool:
+    """Whether this listener admits node certificates only (either setting asks it)."""
+    return bool(settings.LLMGW_AGENT_REQUIRE_IDENTITY or settings.LLMGW_AGENT_GRPC_REQUIRE_IDENTITY)
+
+
 def server_credentials(ca_dir: Path, *, require_identity: bool) -> grpc.ServerCredentials | None:
     """TLS from the CA directory (``manage.py init_ca``); None when there is none (plaintext,
     for a loopback listener). Requiring identity without a CA is a configuration error."""
@@ -279,7 +290,8 @@ def server_credentials(ca_dir: Path, *, require_identity: bool) -> grpc.ServerCr
     if not cert.exists():
         if require_identity:
             raise node_certs.CaError(
-                f"LLMGW_AGENT_REQUIRE_IDENTITY is on but {cert} does not exist; run "
+                f"node certificates are required (LLMGW_AGENT_REQUIRE_IDENTITY or "
+                f"LLMGW_AGENT_GRPC_REQUIRE_IDENTITY) but {cert} does not exist; run "
                 "`manage.py init_ca` first"
             )
         return None
@@ -342,11 +354,7 @@ async def serve(
     """Serve agent streams on ``listen`` (``host:port``) until ``stop`` is set (or SIGTERM /
     SIGINT when none is given); streams in flight get a short grace to close."""
     ca = Path(ca_dir or settings.LLMGW_CA_DIR)
-    require = (
-        bool(settings.LLMGW_AGENT_REQUIRE_IDENTITY)
-        if require_identity is None
-        else require_identity
-    )
+    require = required_identity() if require_identity is None else require_identity
     server, servicer, port, tls = build_server(listen, ca_dir=ca, require_identity=require)
     await server.start()
     logger.info(

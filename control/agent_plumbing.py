@@ -75,12 +75,13 @@ def in_heartbeat_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]
 
 def in_credentials_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]:
     """``func`` made awaitable on a thread of its own for credential checks (a handshake's
-    token, a stream's periodic "still valid?"): one indexed read each, which must not queue
-    behind the hellos and desired states of other streams. Measured at 1,000 nodes: after a
+    token and its count of the node's streams, a stream's periodic "still valid?"): one
+    indexed read or one-row upsert each, which must not queue behind the hellos and desired
+    states of other streams. Measured at 1,000 nodes: after a
     control plane was killed, 500 handshakes queued behind 1,500 pieces of session work on the
     store threads, hundreds passed the agents' 10 s opening timeout, and each retry added more
     work (the fleet took 42 to 60 s to be back). The thread waits for a pool connection like
-    any other; it holds one only for a read."""
+    any other; it holds one only for one statement."""
     wrapped: Callable[..., Awaitable[_R]] = database_sync_to_async(
         func, thread_sensitive=False, executor=_executor("credentials", 1)
     )

@@ -8,7 +8,9 @@ moves text frames and calls :meth:`AgentSession.receive`, :meth:`AgentSession.ti
 :meth:`AgentSession.send_desired`; authentication happened before the session exists.
 
 Every stream is held to a message rate (closed with 4429 past it), and re-checks the credential
-it was opened with at each resync, so a revocation ends it on every process.
+it was opened with at each resync, so a revocation ends it on every process. A fresh stream is
+a fresh allowance, so the streams a node opens are themselves counted, across processes, at
+the handshake before a session exists (:mod:`control.stream_limits`).
 
 Writes are kept small: a shard's row is written when its reported state changes, load and
 GPU memory and the heartbeat at most every :func:`control.health.heartbeat_write_interval`,

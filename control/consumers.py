@@ -3,7 +3,10 @@ hands frames to :class:`control.agent_sessions.AgentSession`.
 
 Authentication is ASGI middleware on the handshake: ``Authorization: Bearer <node token>``
 (and the ``X-Llmgw-Node`` name the agent claims) are checked before the consumer exists, so a
-stream without a valid token is refused with HTTP 403 and never reaches any session code.
+stream without a valid token is refused with HTTP 403 and never reaches any session code. With
+``LLMGW_AGENT_REQUIRE_IDENTITY`` a node's identity is its certificate, which this transport
+does not carry: every stream is refused at the handshake, before any token is looked up. A
+node past its streams per window (:mod:`control.stream_limits`) is closed with 4429 there too.
 
 The channel layer only carries nudges ("node N changed", "token revoked", "a newer stream
 took over"); if it goes away the stream stays up, re-reads desired state on its periodic
@@ -20,12 +23,13 @@ from typing import Any
 
 from channels.consumer import get_handler_name
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
 from django.db import DatabaseError
 
 from agents.protocol.codec import encode
 from agents.protocol.messages import ErrorMessage
 from agents.protocol.vocabulary import NODE_HEADER, CloseCode
-from control import node_tokens, nudges
+from control import node_tokens, nudges, stream_limits
 from control.agent_plumbing import in_credentials_thread
 from control.agent_sessions import AgentSession
 
@@ -52,6 +56,12 @@ class NodeTokenAuthMiddleware:
         self.inner = inner
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if settings.LLMGW_AGENT_REQUIRE_IDENTITY:
+            logger.warning(
+                "agent stream from %s refused at the handshake: %s", _client(scope), TOKENS_REFUSED
+            )
+            await _deny(receive, send, scope, CloseCode.FORBIDDEN, TOKENS_REFUSED)
+            return
         headers = dict(scope.get("headers") or [])
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         claimed_raw = headers.get(_NODE_HEADER)
@@ -60,6 +70,7 @@ class NodeTokenAuthMiddleware:
             if scheme.lower() != "bearer":
                 raise node_tokens.TokenRejected("no bearer token")
             identity = await in_credentials_thread(node_tokens.authenticate)(token.strip(), claimed)
+            refusal = await in_credentials_thread(stream_limits.admit)(identity)
         except node_tokens.TokenRejected as exc:
             logger.warning("agent stream from %s refused at the handshake: %s", _client(scope), exc)
             await _deny(receive, send)
@@ -73,14 +84,42 @@ class NodeTokenAuthMiddleware:
                 "the control plane's store is unavailable; retry later",
             )
             return
+        if refusal is not None:
+            await _accept_and_close(receive, send, CloseCode.RATE_LIMITED, refusal.message)
+            return
         await self.inner({**scope, SCOPE_KEY: identity}, receive, send)
 
 
-async def _deny(receive: Receive, send: Send) -> None:
-    """Close before accepting: Daphne answers the handshake with HTTP 403."""
+TOKENS_REFUSED = (
+    "node tokens are not accepted: LLMGW_AGENT_REQUIRE_IDENTITY makes a node certificate the "
+    "only identity; connect over gRPC (--transport grpc) with the node's certificate"
+)
+
+
+async def _deny(
+    receive: Receive,
+    send: Send,
+    scope: Scope | None = None,
+    code: CloseCode = CloseCode.UNAUTHORIZED,
+    why: str = "",
+) -> None:
+    """Close before accepting: the server answers the handshake with HTTP 403. ``why`` is the
+    answer's body where the server can send one (uvicorn can), for the agent's log; a refused
+    credential is never told why."""
     message = await receive()
-    if message.get("type") == "websocket.connect":
-        await send({"type": "websocket.close", "code": int(CloseCode.UNAUTHORIZED)})
+    if message.get("type") != "websocket.connect":
+        return
+    if why and scope is not None and "websocket.http.response" in (scope.get("extensions") or {}):
+        await send(
+            {
+                "type": "websocket.http.response.start",
+                "status": 403,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8")],
+            }
+        )
+        await send({"type": "websocket.http.response.body", "body": why.encode()})
+        return
+    await send({"type": "websocket.close", "code": int(code)})
 
 
 async def _accept_and_close(receive: Receive, send: Send, code: CloseCode, text: str) -> None:

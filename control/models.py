@@ -437,6 +437,20 @@ class GatewayCount(models.Model):
         return f"{self.process} {self.kind} #{self.subject_id}: {self.count}"
 
 
+class StreamCounter(models.Model):
+    """How many streams one node opened in one window, where every web process and agent
+    listener counts them (``control.stream_limits``). Used only when Redis is not set; rows of
+    windows that have ended are deleted now and then."""
+
+    # "streams:<node id>:<window number>": one row per node and window, taken by an upsert.
+    name = models.CharField(max_length=80, primary_key=True)
+    used = models.PositiveIntegerField(default=0)
+    window_end = models.FloatField(help_text="Unix time after which the row may be deleted.")
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.used}"
+
+
 class Event(models.Model):
     """Append-only audit of what the control plane decided and why."""
 

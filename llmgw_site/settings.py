@@ -331,10 +331,16 @@ LLMGW_AGENT_REVISION_POLL: float = _read(
 )
 LLMGW_DRAIN_TIMEOUT: float = _read(env_float, "LLMGW_DRAIN_TIMEOUT", 60.0)
 # The gRPC agent listener (``manage.py serve_agents_grpc``; ``manage.py run`` starts it when
-# this is set), its TLS material (``manage.py init_ca`` writes it here), and whether it admits
-# only nodes with a client certificate from that CA (then the certificate is the identity).
+# this is set) and its TLS material (``manage.py init_ca`` writes it here).
 LLMGW_AGENT_LISTEN: str = env_str(ENV, "LLMGW_AGENT_LISTEN", "")
+# A node's identity is a client certificate of that CA, and a node token opens no stream on
+# any transport: the gRPC listener admits only certificates (mutual TLS) and WebSocket streams
+# are refused at the handshake. ``..._GRPC_REQUIRE_IDENTITY`` asks it of the gRPC listener
+# alone, for a fleet whose other nodes keep tokens over WebSocket.
 LLMGW_AGENT_REQUIRE_IDENTITY: bool = _read(env_bool, "LLMGW_AGENT_REQUIRE_IDENTITY", False)
+LLMGW_AGENT_GRPC_REQUIRE_IDENTITY: bool = _read(
+    env_bool, "LLMGW_AGENT_GRPC_REQUIRE_IDENTITY", False
+)
 LLMGW_CA_DIR = Path(env_str(ENV, "LLMGW_CA_DIR", str(VAR_DIR / "ca")))
 # What one node may cost the store: messages a stream may send per second (sustained, and in
 # a burst), and Event rows its reports may write per minute.
@@ -343,6 +349,15 @@ LLMGW_AGENT_MESSAGES_PER_SECOND: float = _read(
 )
 LLMGW_AGENT_MESSAGE_BURST: int = _read(env_int, "LLMGW_AGENT_MESSAGE_BURST", 200, minimum=1)
 LLMGW_NODE_EVENTS_PER_MINUTE: int = _read(env_int, "LLMGW_NODE_EVENTS_PER_MINUTE", 60, minimum=1)
+# Streams one node may open per window, counted across every web process and listener (in
+# Redis when REDIS_URL is set, else in the store): each brings a fresh message allowance and
+# costs a hello (a registration, a full desired state). A healthy agent opens one per control
+# plane restart, one per move of a web process's drain (a rolling restart of N processes moves
+# it at most N times), one after a half-open connection: a handful a minute at the very worst,
+# where a node reconnecting in a loop at the agent's fastest pace opens over a hundred.
+# A node past the limit is refused (4429) until its window ends, at most this long.
+LLMGW_AGENT_HELLO_LIMIT: int = _read(env_int, "LLMGW_AGENT_HELLO_LIMIT", 20, minimum=1)
+LLMGW_AGENT_HELLO_WINDOW: float = _read(env_float, "LLMGW_AGENT_HELLO_WINDOW", 60.0, minimum=1.0)
 # Relay deadlines (seconds); models may override each.
 LLMGW_CONNECT_TIMEOUT: float = _read(env_float, "LLMGW_CONNECT_TIMEOUT", 5.0, minimum=0.01)
 LLMGW_FIRST_BYTE_TIMEOUT: float = _read(env_float, "LLMGW_FIRST_BYTE_TIMEOUT", 120.0, minimum=0.01)

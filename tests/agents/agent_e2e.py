@@ -1115,6 +1115,25 @@ def test_with_identity_required_only_a_valid_certificate_of_the_named_node_is_se
             assert "Traceback" not in proc.log()
 
 
+def test_with_identity_required_a_node_token_opens_no_websocket_stream(
+    fleet: Cluster, grpc_only: None
+) -> None:
+    """LLMGW_AGENT_REQUIRE_IDENTITY is on for this module's whole control plane, its web
+    process too: a valid node token is refused on the WebSocket stream at the handshake (HTTP
+    403 saying why), so no transport takes a token where certificates are required. The
+    certified agents are served over gRPC throughout."""
+    token = node_tokens.issue_node_token("tokens-only")
+    with pytest.raises(InvalidStatus) as refused:
+        _handshake(fleet, token, "tokens-only")
+    assert refused.value.response.status_code == 403
+    assert b"node certificate" in refused.value.response.body
+    assert Node.objects.get(name="tokens-only").last_heartbeat_at is None
+    for name in ("n1", "n2"):
+        assert node_health(name) == "ready"
+    web = fleet.control_planes[0].web
+    assert web is not None and token not in web.log()
+
+
 def test_without_identity_required_the_grpc_listener_takes_node_tokens(
     fleet: Cluster, grpc_only: None, tmp_path: Path
 ) -> None:

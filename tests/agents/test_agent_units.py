@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import os
+import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -310,6 +314,57 @@ def test_a_stopping_control_plane_is_left_at_once_but_a_refusal_backs_off() -> N
     assert after_stopping_close(1012) and after_stopping_close(1001)
     for code in (None, 1000, 1006, 4401, 4409, 4503):
         assert not after_stopping_close(code)
+
+
+class _RefusesHello:
+    """A control plane's end of a stream that answers hello with 4429: this node opened more
+    streams than the control plane takes in its window."""
+
+    close_code = int(CloseCode.RATE_LIMITED)
+    close_reason = ""
+
+    async def send(self, text: str) -> None:
+        pass
+
+    async def recv(self) -> str:
+        return encode(
+            ErrorMessage(
+                CloseCode.RATE_LIMITED,
+                "more than 20 streams of node 'n1' within 60s; reconnect in 42s",
+            )
+        )
+
+    async def close(self, code: int, reason: str) -> None:
+        pass
+
+    def local_address(self) -> str | None:
+        return None
+
+
+async def test_an_agent_refused_for_reconnecting_too_often_waits_half_its_backoff_cap() -> None:
+    """4429 says "slow down": the agent does not come back after the short first steps of its
+    backoff (a node refused for its reconnects would keep adding to its count) but after the
+    cap's wait, jitter included (here with no jitter at all: its lower bound)."""
+    config = ConnectionConfig(
+        urls=("ws://127.0.0.1:1",), token="t", node="n1", backoff_base=0.01, backoff_max=0.4
+    )
+    supervisor = SimpleNamespace(gpus=SimpleNamespace(read=lambda: ()), highest_epoch=0)
+    agent = Agent(config, supervisor, rand=lambda: 0.0)  # type: ignore[arg-type]
+    opened: list[float] = []
+    stop = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def refusing(target: links.Target) -> AsyncIterator[_RefusesHello]:
+        opened.append(time.monotonic())
+        if len(opened) == 3:
+            stop.set()
+        yield _RefusesHello()
+
+    agent._open = refusing  # type: ignore[method-assign]
+    # A generous guard against hanging the suite, not a measure: the run takes under a second.
+    await asyncio.wait_for(agent.run(stop), timeout=60)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(opened)]
+    assert len(gaps) == 2 and min(gaps) >= 0.2, gaps
 
 
 def test_two_agents_do_not_retry_in_lock_step() -> None:

@@ -791,6 +791,22 @@ async def test_the_stream_refuses_handshakes_without_a_valid_token(token: str) -
     assert (await comm.connect(timeout=CONNECT_TIMEOUT))[0] is False
 
 
+@committed
+async def test_with_identity_required_a_websocket_stream_with_a_valid_token_is_refused(
+    token: str, settings: Any
+) -> None:
+    """LLMGW_AGENT_REQUIRE_IDENTITY: a node's identity is its certificate, so a node token
+    opens no stream on any transport; over WebSocket it is refused at the handshake (4403),
+    before any hello reaches the store. Off, the same token is served (as before)."""
+    settings.LLMGW_AGENT_REQUIRE_IDENTITY = True
+    comm = communicator(token)
+    assert await comm.connect(timeout=CONNECT_TIMEOUT) == (False, CloseCode.FORBIDDEN)
+    assert (await Node.objects.aget(name="n1")).last_heartbeat_at is None
+    settings.LLMGW_AGENT_REQUIRE_IDENTITY = False
+    await (await _open(token)).disconnect()
+    assert (await Node.objects.aget(name="n1")).last_heartbeat_at is not None
+
+
 async def _open(token: str) -> WebsocketCommunicator:
     comm = communicator(token)
     connected, _ = await comm.connect(timeout=CONNECT_TIMEOUT)

@@ -1,7 +1,8 @@
 """``manage.py run`` with its agent listeners, as an operator sets up a secured node plane:
-``init_ca``, ``issue_node_cert``, ``LLMGW_AGENT_REQUIRE_IDENTITY`` on, ``--agent-listen`` (the
-gRPC listener, a child of ``run``) and ``--agent-ws-listen`` (the agents' WebSocket streams
-moved off the client port). A real agent dials the gRPC listener with its node certificate, is
+``init_ca``, ``issue_node_cert``, ``LLMGW_AGENT_GRPC_REQUIRE_IDENTITY`` on (certificates on the
+gRPC listener; WebSocket streams keep node tokens), ``--agent-listen`` (the gRPC listener, a
+child of ``run``) and ``--agent-ws-listen`` (the agents' WebSocket streams moved off the client
+port). A real agent dials the gRPC listener with its node certificate, is
 served its desired state (the demo model is placed on it and answers the ``openai`` client
 through the gateway); once its certificate is revoked its open stream ends and the certificate
 is refused. A SIGTERM to ``run`` stops the gRPC listener with the rest. No Redis: nudges stay
@@ -92,7 +93,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         LLMGW_VAR_DIR=str(tmp),
         LLMGW_WEB_PROCESSES="1",
         LLMGW_CA_DIR=str(tmp / "ca"),
-        LLMGW_AGENT_REQUIRE_IDENTITY="true",
+        LLMGW_AGENT_GRPC_REQUIRE_IDENTITY="true",
         LLMGW_AGENT_RESYNC_INTERVAL="2",
         LLMGW_RECONCILE_INTERVAL="0.5",
         LLMGW_SHUTDOWN_GRACE="5",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group, User
@@ -89,6 +90,18 @@ def test_a_command_error_exits_non_zero_with_the_message_on_stderr() -> None:
 
 
 # --------------------------------------------------------------------------- nodes
+
+
+@pytest.mark.django_db
+def test_run_with_identity_required_refuses_to_start_a_local_agent_it_would_refuse(
+    settings: Any,
+) -> None:
+    """LLMGW_AGENT_REQUIRE_IDENTITY refuses node tokens everywhere, so the local agent (which
+    has a token) could never connect: run says so at start instead of refusing it for ever."""
+    settings.LLMGW_AGENT_REQUIRE_IDENTITY = True
+    with pytest.raises(CommandError, match="--no-agent"):
+        call_command("run", "--port", "1")
+    assert not Node.objects.exists()  # it stopped before issuing the local agent's token
 
 
 @pytest.mark.django_db

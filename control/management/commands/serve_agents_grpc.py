@@ -1,8 +1,9 @@
 """`manage.py serve_agents_grpc`: the agents' gRPC listener (``manage.py run`` starts it when
 ``LLMGW_AGENT_LISTEN`` is set).
 
-Mutual TLS with ``LLMGW_AGENT_REQUIRE_IDENTITY`` (node certificates from ``init_ca`` /
-``issue_node_cert``); TLS with node tokens when a CA exists; plaintext otherwise (loopback).
+Mutual TLS with ``LLMGW_AGENT_REQUIRE_IDENTITY`` or ``LLMGW_AGENT_GRPC_REQUIRE_IDENTITY`` (node
+certificates from ``init_ca`` / ``issue_node_cert``); TLS with node tokens when a CA exists;
+plaintext otherwise (loopback).
 """
 
 from __future__ import annotations

@@ -220,6 +220,14 @@ class Command(BaseCommand):
     ) -> None:
         if web_processes < 1:
             raise CommandError("--web-processes must be at least 1")
+        if settings.LLMGW_AGENT_REQUIRE_IDENTITY and not (no_agent or router_only):
+            # The local agent would be refused at every try, its shards never placed.
+            raise CommandError(
+                "LLMGW_AGENT_REQUIRE_IDENTITY refuses node tokens on every transport, and the "
+                "local agent connects with one: give --no-agent (and connect agents over gRPC "
+                "with node certificates), or set LLMGW_AGENT_GRPC_REQUIRE_IDENTITY instead to "
+                "ask certificates of the gRPC listener only"
+            )
         # Before the store is opened: what an older version left open to others is closed.
         owner_only.tighten(owner_only.llmgw_paths())
         addresses = {"client": (host, port)}
