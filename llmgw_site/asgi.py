@@ -58,10 +58,11 @@ DRAINING = Response(
 NOT_FOUND = Response(404, [(b"content-type", b"application/json")], b'{"error":"not found"}')
 site = ASGIStaticFilesHandler(django_asgi)
 agent_streams = URLRouter(websocket_urlpatterns)
-# The listeners of this process and their roles (published by llmgw_site.webserver), and what
-# each answers (llmgw_site.listeners); with one listener, everything is the client's.
-PORTS = listeners.parse_ports(os.environ.get("LLMGW_LISTENER_PORTS", ""))
-ROUTERS = listeners.routers(frozenset(PORTS.values()))
+# The listeners of this process, by local address and port, and their roles (published by
+# llmgw_site.webserver), and what each answers (llmgw_site.listeners); with one listener,
+# everything is the client's.
+LISTENERS = listeners.parse_listeners(os.environ.get("LLMGW_LISTENERS", ""))
+ROUTERS = listeners.routers(frozenset(LISTENERS.values()))
 
 
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
@@ -74,7 +75,7 @@ async def application(scope: Scope, receive: Receive, send: Send) -> None:
         return
     elif kind != "websocket":
         raise ValueError(f"no application for ASGI scope type {kind!r}")
-    router = ROUTERS[listeners.role_of(PORTS, scope.get("server"))]
+    router = ROUTERS[listeners.role_of(LISTENERS, scope.get("server"))]
     await ANSWERS[router.answer(kind, scope["path"])](scope, receive, send)
 
 

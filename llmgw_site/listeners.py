@@ -14,13 +14,21 @@ listener serves for a role while it has no listener of its own. ``routers`` read
 on who answers it, and ``manage.py run`` asks ``listener_of`` where to point the local agent and
 which address to print for each part.
 
-The role of a request is the role of the local port it arrived on (``scope["server"]``): the
-web process publishes its listeners' ports in ``LLMGW_LISTENER_PORTS`` (``ports_value``) before
-the application loads (``parse_ports``). Everything here is pure.
+The role of a request is the role of the listening socket it arrived on, told by the local
+address and port of its connection (``scope["server"]``: the server reads it from the accepted
+socket itself, so no header a client sends can change it); a listener bound to every address
+(``0.0.0.0``, ``::``) owns its port at every address. The web process publishes the address of
+each of its listeners in ``LLMGW_LISTENERS`` (``listeners_value``) before the application loads
+(``parse_listeners``). Roles are never told apart by the port alone: with the client listener
+on a public address and the admin's on loopback at the same port, the port would hand the
+public address the admin. ``manage.py run`` gives each listener a port of its own
+(``sharing_a_port``) all the same, as a firewall or a balancer tells them apart by port.
+Everything here is pure.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -158,26 +166,78 @@ def decide(role: str, split: Collection[str], kind: str, path: str) -> Answer:
     return router(role, split).answer(kind, path)
 
 
-def ports_value(ports: Mapping[str, int]) -> str:
-    """``LLMGW_LISTENER_PORTS`` for {role: local port}: ``client=8000,admin=8001``."""
-    return ",".join(f"{role}={port}" for role, port in ports.items())
+# A listener's local address and port, as its socket's getsockname() gives them.
+Address = tuple[str, int]
+# Bound to every address: such a listener owns its port at any local address (IPv6's, on a
+# dual-stack socket, every IPv4 one too).
+EVERY_V4 = "0.0.0.0"  # noqa: S104 - a name for the wildcard, not a bind
+EVERY_V6 = "::"
 
 
-def parse_ports(raw: str) -> dict[int, str]:
-    """``client=8000,admin=8001`` as {8000: "client", 8001: "admin"}; malformed parts ignored
-    (the value is written by the web process itself, not by a person)."""
-    out: dict[int, str] = {}
+def canonical(address: str) -> str:
+    """``address`` as a socket names it, an IPv4 address mapped into IPv6 (an IPv4 client of a
+    dual-stack socket) as the IPv4 one; a name that is no address, unchanged."""
+    if ":" not in address:
+        return address  # IPv4 as a socket writes it already; no parsing on a request's path
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        return str(parsed.ipv4_mapped)
+    return str(parsed)
+
+
+def listeners_value(table: Mapping[Address, str]) -> str:
+    """``LLMGW_LISTENERS`` for {(local address, port): role}:
+    ``client=10.0.0.5:8000,admin=127.0.0.1:8001,agent=[::]:8003``."""
+    return ",".join(
+        f"{role}=[{address}]:{port}" if ":" in address else f"{role}={address}:{port}"
+        for (address, port), role in table.items()
+    )
+
+
+def parse_listeners(raw: str) -> dict[Address, str]:
+    """``client=10.0.0.5:8000,admin=[::1]:8001`` as {("10.0.0.5", 8000): "client", ("::1",
+    8001): "admin"}; malformed parts ignored (the value is written by the web process itself,
+    not by a person)."""
+    out: dict[Address, str] = {}
     for part in raw.split(","):
-        role, _, port = part.strip().partition("=")
-        if role in _BY_NAME and port.isdigit():
-            out[int(port)] = role
+        role, _, where = part.strip().partition("=")
+        address, _, port = where.rpartition(":")
+        address = address.removeprefix("[").removesuffix("]")
+        if role in _BY_NAME and address and port.isdigit():
+            out[(canonical(address), int(port))] = role
     return out
 
 
-def role_of(ports: Mapping[int, str], server: tuple[str, int] | list[object] | None) -> str:
-    """The role of the listener a request came in on; ``client`` when it cannot be told (one
-    listener, another server, a test calling the application directly)."""
-    if not ports or not server or len(server) < 2:
+def role_of(table: Mapping[Address, str], server: tuple[str, int] | list[object] | None) -> str:
+    """The role of the listener a connection came in on, from its local (address, port): the
+    listener bound to that very address, else the one bound to every address of that port;
+    ``client`` when it cannot be told (one listener, another server, a test calling the
+    application directly)."""
+    if not table or not server or len(server) < 2:
         return CLIENT
-    port = server[1]
-    return ports.get(port, CLIENT) if isinstance(port, int) else CLIENT
+    address, port = server[0], server[1]
+    if not isinstance(address, str) or not isinstance(port, int):
+        return CLIENT
+    # Every request asks: the exact address first, as the socket wrote it (a listener bound to
+    # one address is found here), and only then what a wildcard-bound one would be keyed by.
+    found = table.get((address, port))
+    if found is None:
+        address = canonical(address)
+        every = EVERY_V4 if "." in address else EVERY_V6
+        found = (
+            table.get((address, port)) or table.get((every, port)) or table.get((EVERY_V6, port))
+        )
+    return found or CLIENT
+
+
+def sharing_a_port(places: Mapping[str, Address]) -> tuple[int, list[str]] | None:
+    """The first port that two or more of ``places`` (each listener's name and where it binds)
+    share, whatever their addresses, and the names sharing it; None when each has its own."""
+    by_port: dict[int, list[str]] = {}
+    for name, (_, port) in places.items():
+        if port:  # 0: a port the kernel picks, one of its own
+            by_port.setdefault(port, []).append(name)
+    return next(((port, names) for port, names in by_port.items() if len(names) > 1), None)

@@ -44,7 +44,7 @@ import uvicorn
 
 from gateway.relay.drain import drain
 from llmgw_site.config import DEFAULT_IDLE_LINGER, DEFAULT_SHUTDOWN_GRACE, env_bool, env_float
-from llmgw_site.listeners import ROLE_NAMES, ports_value
+from llmgw_site.listeners import ROLE_NAMES, listeners_value
 
 logger = logging.getLogger("llmgw.webserver")
 
@@ -216,12 +216,13 @@ def main(argv: list[str] | None = None) -> None:
     if not roles:
         parser.error("at least one --listen ROLE=FD")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
-    # The roles travel to the application by the local port each request arrived on.
+    # The application tells the listeners apart by the local address and port of each
+    # connection, which uvicorn reads from the accepted socket (scope["server"]).
     sockets = [socket.socket(fileno=fd) for fd in roles]
-    ports = {
-        role: sock.getsockname()[1] for sock, role in zip(sockets, roles.values(), strict=True)
+    bound = {
+        sock.getsockname()[:2]: role for sock, role in zip(sockets, roles.values(), strict=True)
     }
-    os.environ["LLMGW_LISTENER_PORTS"] = ports_value(ports)
+    os.environ["LLMGW_LISTENERS"] = listeners_value(bound)
     grace = env_float(os.environ, "LLMGW_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE)
     idle_linger = env_float(os.environ, "LLMGW_IDLE_LINGER", DEFAULT_IDLE_LINGER)
     access_log = args.access_log or env_bool(os.environ, "LLMGW_ACCESS_LOG", False)

@@ -1,6 +1,6 @@
 """Calling an ASGI application in this process, as a server hands it a request: one HTTP
-request with its whole body, or a WebSocket's opening, on a given local port (the port is how
-``llmgw_site.asgi`` tells its listeners apart)."""
+request with its whole body, or a WebSocket's opening, on a given local port of 127.0.0.1 (the
+local address and port are how ``llmgw_site.asgi`` tells its listeners apart)."""
 
 from __future__ import annotations
 

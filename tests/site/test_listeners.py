@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.core.management import CommandError, call_command
 
 from llmgw_site import listeners
 from llmgw_site.listeners import (
@@ -17,9 +18,10 @@ from llmgw_site.listeners import (
     Route,
     decide,
     listener_of,
-    parse_ports,
-    ports_value,
+    listeners_value,
+    parse_listeners,
     role_of,
+    sharing_a_port,
 )
 from tests.harness.asgi import call_http, call_websocket
 
@@ -81,13 +83,99 @@ def test_metrics_with_a_token_stay_on_the_client_port_without_a_metrics_listener
     assert decide("client", frozenset({"admin"}), "http", "/metrics") is Answer.SITE
 
 
-def test_the_role_is_the_local_port_the_request_came_in_on() -> None:
-    ports = parse_ports("client=8000,admin=8001,bogus=1,metrics=x")
-    assert ports == {8000: "client", 8001: "admin"}
-    assert role_of(ports, ("127.0.0.1", 8001)) == "admin"
-    assert role_of(ports, ("127.0.0.1", 8000)) == "client"
-    assert role_of(ports, None) == "client"  # a server that does not say
+def test_the_role_is_the_listener_the_connection_came_in_on() -> None:
+    table = parse_listeners(
+        "client=127.0.0.1:8000,admin=127.0.0.1:8001,bogus=127.0.0.1:1,metrics=x,agent=8003"
+    )
+    assert table == {("127.0.0.1", 8000): "client", ("127.0.0.1", 8001): "admin"}
+    assert role_of(table, ("127.0.0.1", 8001)) == "admin"
+    assert role_of(table, ("127.0.0.1", 8000)) == "client"
+    assert role_of(table, None) == "client"  # a server that does not say
     assert role_of({}, ("127.0.0.1", 8001)) == "client"
+
+
+def test_two_roles_on_one_port_are_told_apart_by_the_address_of_their_sockets() -> None:
+    """``--host 10.0.0.5 --port 8000`` beside an admin listener on 127.0.0.1:8000: the public
+    address is the client's, whatever the port says."""
+    table = {("10.0.0.5", 8000): "client", ("127.0.0.1", 8000): "admin"}
+    assert role_of(table, ("10.0.0.5", 8000)) == "client"
+    assert role_of(table, ("127.0.0.1", 8000)) == "admin"
+    # An address no listener of this process is bound to is never the admin's.
+    assert role_of(table, ("127.0.0.2", 8000)) == "client"
+    assert role_of(table, ("10.0.0.5", 8001)) == "client"
+
+
+def test_a_listener_bound_to_every_address_owns_its_port_at_each_of_them() -> None:
+    table = {("0.0.0.0", 8000): "client", ("127.0.0.1", 8001): "admin", ("::", 8003): "agent"}
+    assert role_of(table, ("10.0.0.5", 8000)) == "client"
+    assert role_of(table, ("127.0.0.1", 8000)) == "client"
+    # The admin is bound to loopback alone: the same port at another address is not its.
+    assert role_of(table, ("10.0.0.5", 8001)) == "client"
+    assert role_of(table, ("::1", 8003)) == "agent"
+    # A dual-stack socket's IPv4 clients, however the server writes their address.
+    assert role_of(table, ("::ffff:10.0.0.5", 8003)) == "agent"
+    assert role_of(table, ("10.0.0.5", 8003)) == "agent"
+    assert role_of(table, ("::ffff:127.0.0.1", 8001)) == "admin"
+
+
+def test_a_listener_bound_to_one_address_wins_over_one_bound_to_every_address() -> None:
+    """Where the system lets both bind one port (or IPv4 and IPv6 wildcards on one port with
+    ``IPV6_V6ONLY``), the socket bound to the connection's own address is the one it came in on."""
+    table = {("0.0.0.0", 8000): "client", ("127.0.0.1", 8000): "admin", ("::", 8000): "agent"}
+    assert role_of(table, ("127.0.0.1", 8000)) == "admin"
+    assert role_of(table, ("10.0.0.5", 8000)) == "client"
+    assert role_of(table, ("::1", 8000)) == "agent"
+
+
+def test_the_listeners_travel_in_one_variable() -> None:
+    table = {
+        ("10.0.0.5", 8000): "client",
+        ("127.0.0.1", 8000): "admin",
+        ("::1", 8002): "metrics",
+        ("::", 8003): "agent",
+    }
+    assert parse_listeners(listeners_value(table)) == table
+    assert listeners_value({("::1", 8002): "metrics"}) == "metrics=[::1]:8002"
+    assert parse_listeners("client=[::ffff:10.0.0.5]:8000") == {("10.0.0.5", 8000): "client"}
+
+
+def test_listeners_sharing_a_port_are_found_whatever_their_addresses() -> None:
+    public, private = ("10.0.0.5", 8000), ("127.0.0.1", 8000)
+    assert sharing_a_port({"--port 8000": public, "--admin-listen 127.0.0.1:8000": private}) == (
+        8000,
+        ["--port 8000", "--admin-listen 127.0.0.1:8000"],
+    )
+    assert sharing_a_port({"a": public, "b": ("127.0.0.1", 8001), "c": ("::", 8002)}) is None
+    # Port 0 is one the kernel picks: a port of its own each time.
+    assert sharing_a_port({"a": ("127.0.0.1", 0), "b": ("127.0.0.2", 0)}) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (
+            ["--host", "10.0.0.5", "--port", "8000", "--admin-listen", "127.0.0.1:8000"],
+            ["--host 10.0.0.5 --port 8000", "--admin-listen 127.0.0.1:8000"],
+        ),
+        (["--port", "8000", "--metrics-listen", "8000"], ["--port 8000", "--metrics-listen 8000"]),
+        (
+            ["--port", "8000", "--admin-listen", "9000", "--agent-ws-listen", "[::1]:9000"],
+            ["--admin-listen 9000", "--agent-ws-listen [::1]:9000"],
+        ),
+        (
+            ["--port", "8000", "--agent-ws-listen", "9001", "--agent-listen", "0.0.0.0:9001"],
+            ["--agent-ws-listen 9001", "--agent-listen 0.0.0.0:9001"],
+        ),
+    ],
+)
+def test_run_refuses_two_listeners_on_one_port_before_it_touches_anything(
+    flags: list[str], named: list[str]
+) -> None:
+    """Refused before the store is migrated or a socket bound (this test has no database)."""
+    with pytest.raises(CommandError) as refused:
+        call_command("run", "--no-agent", *flags)
+    said = str(refused.value)
+    assert " and ".join(named) in said and "port of its own" in said, said
 
 
 # A path of each kind of route: itself, one under a prefix, one a catch-all takes.
@@ -123,11 +211,6 @@ def test_a_role_without_a_listener_of_its_own_is_served_on_the_client_listener(r
         assert decide("client", split, route.kind, sample(route)) is route.answer, route
 
 
-def test_the_listener_ports_travel_in_one_variable() -> None:
-    ports = {"client": 8000, "admin": 8001, "metrics": 8002, "agent": 8003}
-    assert parse_ports(ports_value(ports)) == {port: role for role, port in ports.items()}
-
-
 PORTS = {"client": 8000, "admin": 8001, "metrics": 8002, "agent": 8003}
 
 
@@ -136,7 +219,9 @@ def every_listener(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The web process's application as if it accepted on a listener for every role."""
     from llmgw_site import asgi
 
-    monkeypatch.setattr(asgi, "PORTS", {port: role for role, port in PORTS.items()})
+    monkeypatch.setattr(
+        asgi, "LISTENERS", {("127.0.0.1", port): role for role, port in PORTS.items()}
+    )
     monkeypatch.setattr(asgi, "ROUTERS", listeners.routers(ALL))
     return asgi.application
 

@@ -231,6 +231,8 @@ class Command(BaseCommand):
         # Before the store is opened: what an older version left open to others is closed.
         owner_only.tighten(owner_only.llmgw_paths())
         addresses = {"client": (host, port)}
+        # Each listener as the operator gave it, for a refusal to name.
+        given = {f"--host {host} --port {port}": (host, port)}
         for role, raw in (
             ("admin", admin_listen),
             ("metrics", metrics_listen),
@@ -238,12 +240,20 @@ class Command(BaseCommand):
         ):
             if raw:
                 flag = "--agent-ws-listen" if role == "agent" else f"--{role}-listen"
-                addresses[role] = parse_listen(flag, raw)
+                addresses[role] = given[f"{flag} {raw}"] = parse_listen(flag, raw)
         # The gRPC listener is a process of its own that binds its port itself.
         grpc_address = parse_listen("--agent-listen", agent_listen) if agent_listen else None
-        taken = [*addresses.values(), *([grpc_address] if grpc_address else [])]
-        if len(set(taken)) < len(taken):
-            raise CommandError("each listener needs an address and port of its own")
+        if grpc_address:
+            given[f"--agent-listen {agent_listen}"] = grpc_address
+        shared = listeners.sharing_a_port(given)
+        if shared:
+            # The web process would tell them apart by address, but a firewall rule or a
+            # balancer by port would not: one meant for the public port opens the admin too.
+            shared_port, names = shared
+            raise CommandError(
+                f"{' and '.join(names)} share port {shared_port}: give each listener a port "
+                "of its own, whatever its address"
+            )
         call_command("migrate", interactive=False, verbosity=0)
         served = router_only_models() if router_only else []
         if router_only and not served:
