@@ -392,9 +392,9 @@ LLMGW_ROUTING_MAX_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MAX_BLOCKS", 512, 
 # than one upstream's share of the traffic is bounded by the mean alone.
 LLMGW_ROUTING_LOAD_FACTOR: float = _read(env_float, "LLMGW_ROUTING_LOAD_FACTOR", 1.25, minimum=1.0)
 LLMGW_ROUTING_LOAD_SLACK: int = _read(env_int, "LLMGW_ROUTING_LOAD_SLACK", 16, minimum=1)
-# A prefix nobody holds goes to the first upstream in its agreed (rendezvous) order that has at
-# most this many outstanding requests more than the least loaded one.
-LLMGW_ROUTING_COLD_SLACK: int = _read(env_int, "LLMGW_ROUTING_COLD_SLACK", 0, minimum=0)
+# A prefix nobody holds goes to the first upstream in its agreed (rendezvous) order under the
+# mean-based bound, or with fewer outstanding requests than this.
+LLMGW_ROUTING_COLD_SLACK: int = _read(env_int, "LLMGW_ROUTING_COLD_SLACK", 2, minimum=1)
 # Blocks remembered per upstream whose cache size is not known (engines that report theirs are
 # remembered up to it): 8,192 blocks are 8 MiB of prompt text, about two million tokens.
 LLMGW_ROUTING_MIRROR_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MIRROR_BLOCKS", 8192, minimum=32)

@@ -19,10 +19,14 @@ The order of preference:
 
 Load bounds all of it (consistent hashing with bounded loads): an upstream may take a request
 only while its outstanding requests are under ``ceil(factor × (total + 1) × its share of the
-weight)`` (at least ``slack``), so a hot prefix or a busy session overflows to the next upstream
-in its order -- the same next one in every process -- rather than queueing behind itself; such
-a request's outcome is **spilled**. Some upstream is always under the bound, since not all can
-be over the mean.
+weight)`` or under a slack, so a hot prefix or a busy session overflows to the next upstream in
+its order -- the same next one in every process -- rather than queueing behind itself; such a
+request's outcome is **spilled**. Some upstream is always under the bound, since not all can be
+over the mean. The slack says what moving costs: a cool prefix (less of the traffic than one
+upstream's share) stays where it is cached up to a large slack, since moving it costs a prefill
+elsewhere and cache the others need; a hot one (``Placement.hot``) is bounded by the mean alone,
+since no single upstream can serve it; a new one by the mean and a small slack, so new prefixes
+spread while every process still agrees where each goes.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class Bounds:
 
     factor: float = 1.25
     slack: int = 16  # what a cool prefix's upstream may hold before the mean bounds it
-    cold_slack: int = 0
+    cold_slack: int = 2  # what a new prefix's agreed upstream may hold before the mean bounds it
     hot_slack: int = 1  # a prefix hotter than one upstream's share: bounded by the mean alone
 
 
@@ -161,14 +165,12 @@ def choose_cached(
     total = sum(outstanding.get(u.id, 0) for u in pool)
     weight = sum(u.weight for u in pool)
     if outcome == COLD:
-        # Nothing to lose by going elsewhere but agreement: the first in rendezvous order
-        # within ``cold_slack`` of the least loaded (per unit of weight), so new prefixes
-        # spread like load while processes that see alike still choose alike.
-        lightest = min(outstanding.get(u.id, 0) / u.weight for u in pool)
-        for rank, upstream in enumerate(order):
-            if outstanding.get(upstream.id, 0) / upstream.weight <= lightest + bounds.cold_slack:
-                return Choice(upstream, COLD if rank == 0 else SPILLED, 0)
-    slack = bounds.hot_slack if placement.hot else bounds.slack
+        # Nothing is lost by going elsewhere but agreement, and agreement is what keeps a
+        # new conversation on one upstream whichever process takes its next turn: its
+        # rendezvous order, bounded by the mean alone.
+        slack = bounds.cold_slack
+    else:
+        slack = bounds.hot_slack if placement.hot else bounds.slack
     for rank, upstream in enumerate(order):
         if outstanding.get(upstream.id, 0) < bound_of(
             upstream, total, weight, slack, bounds.factor

@@ -21,11 +21,12 @@ from gateway.routing.choice import (
     session_key,
 )
 from gateway.routing.mirrors import FLOOR_BLOCKS, Mirror, Mirrors, TokenBytes, matches
+from gateway.routing.shares import Shares
 from gateway.routing.table import Upstream
 
 A, B, C, D = (Upstream(f"replica:{i}", f"http://10.0.0.{i}:8000") for i in range(1, 5))
 FOUR = (A, B, C, D)
-BOUNDS = Bounds(factor=1.25, slack=2)
+BOUNDS = Bounds(factor=1.25, slack=2, cold_slack=2)
 SYSTEM = "You are a careful assistant who answers in one line. " * 60  # ~3.2 KB
 
 
@@ -217,14 +218,16 @@ def pick(
     matches: dict[str, int] | None = None,
     ejected: dict[str, float] | None = None,
     exclude: tuple[str, ...] = (),
+    hot: bool = False,
+    bounds: Bounds = BOUNDS,
 ) -> tuple[str, str, int]:
     choice = choose_cached(
         FOUR,
         outstanding or {},
         ejected or {},
         0.0,
-        placement=Placement(lead, affinity, matches or {}),
-        bounds=BOUNDS,
+        placement=Placement(lead, affinity, matches or {}, hot),
+        bounds=bounds,
         exclude=exclude,
     )
     assert choice is not None
@@ -317,3 +320,32 @@ def test_weights_share_the_bound_and_the_rendezvous_order() -> None:
     light = Upstream("endpoint:small", "http://small", weight=1)
     leads = Counter(rendezvous(i * 7919, (heavy, light))[0].id for i in range(4000))
     assert 2.5 < leads["endpoint:big"] / leads["endpoint:small"] < 3.5
+
+
+def test_a_cool_prefix_stays_where_it_is_cached_up_to_the_slack_a_hot_one_does_not() -> None:
+    loose = Bounds(factor=1.25, slack=16, cold_slack=2)
+    # Twelve in flight, eight of them on replica 1, which holds the prefix: the mean bound
+    # (ceil(1.25 * 13 / 4) = 5) is passed, the slack of 16 is not.
+    outstanding = {"replica:1": 8, "replica:2": 2, "replica:3": 1, "replica:4": 1}
+    held = {"replica:1": 9}
+    assert pick(outstanding, matches=held, bounds=loose)[:2] == ("replica:1", CACHED)
+    assert pick(outstanding, matches=held, bounds=loose, hot=True)[:2] != ("replica:1", CACHED)
+    assert pick(outstanding, matches=held, bounds=loose, hot=True)[1] == SPILLED
+
+
+def test_a_keys_share_of_the_recent_traffic_decays_as_others_come() -> None:
+    shares = Shares(window=100)
+    assert shares.count(1) == 1.0  # the only key so far
+    for _ in range(300):
+        shares.count(2)
+    assert shares.count(1) < 0.05  # counted twice, long ago
+    for i in range(300):
+        shares.count(i % 3 + 10)  # three keys taking turns
+    assert 0.25 < shares.count(10) < 0.45
+
+
+def test_a_share_remembers_a_bounded_number_of_keys() -> None:
+    shares = Shares(window=10)
+    for key in range(1000):
+        shares.count(key)
+    assert len(shares._counts) <= 40
