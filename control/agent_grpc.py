@@ -35,7 +35,7 @@ from agents import grpc_wire
 from agents.protocol.codec import encode
 from agents.protocol.messages import ErrorMessage
 from agents.protocol.vocabulary import MAX_MESSAGE_BYTES, CloseCode, ProtocolError
-from control import node_certs, node_tokens, nudges
+from control import agent_peers, node_certs, node_tokens, nudges
 from control.agent_plumbing import in_credentials_thread
 from control.agent_sessions import AgentSession
 
@@ -143,7 +143,7 @@ class AgentServicer:
             )
             return
         transport = _Stream(context)
-        session = AgentSession(identity, transport)
+        session = AgentSession(identity, transport, peer=agent_peers.grpc_peer(context.peer()))
         self.sessions.add(session)
         tasks = {
             asyncio.create_task(self._read(context, session), name="read"),

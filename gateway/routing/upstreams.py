@@ -82,7 +82,14 @@ def load_table(version: int = 0) -> Table:
     profiles = {entry.id: set(entry.profiles) for entry in snapshot.models if entry.profiles}
     replicas = [
         ReplicaRow(
-            r.id, r.model_id, r.profile, r.host, r.port, key=r.engine_key, generation=r.generation
+            r.id,
+            r.model_id,
+            r.profile,
+            r.host,
+            r.port,
+            key=r.engine_key,
+            generation=r.generation,
+            local_node=r.local_node,
         )
         for r in snapshot.replicas
     ]

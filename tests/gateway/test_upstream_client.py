@@ -381,6 +381,29 @@ def test_what_each_policy_allows() -> None:
     assert address_problem("224.0.0.1", AddressPolicy.NODE) is not None
 
 
+async def test_a_remote_nodes_engine_is_never_reached_on_this_machines_loopback() -> None:
+    """A node whose agent did not connect over loopback: its address may be a name, and the
+    name must not resolve to this machine (the gateway host's own services)."""
+    assert address_problem("127.0.0.1", AddressPolicy.REMOTE_NODE) is not None
+    assert address_problem("::ffff:127.0.0.1", AddressPolicy.REMOTE_NODE) is not None
+    assert address_problem("10.0.0.5", AddressPolicy.REMOTE_NODE) is None
+    assert address_problem("169.254.169.254", AddressPolicy.REMOTE_NODE) is not None
+    async with upstream(answering(answer(b"{}"))) as up:
+        connections = Pool(keepalive_s=30, resolver=resolving_to("127.0.0.1"))
+        try:
+            with pytest.raises(Forbidden, match="loopback"):
+                await connections.post(
+                    to(f"http://gpu-7.example:{up.port}", AddressPolicy.REMOTE_NODE),
+                    "/v1/x",
+                    b"{}",
+                    b"",
+                    connect_timeout=5,
+                )
+        finally:
+            connections.close()
+    assert up.connections == 0
+
+
 async def test_an_upstream_redirecting_to_the_metadata_address_is_not_followed() -> None:
     """The client never follows a Location: the 302 is what comes back (the relay answers it
     with 502 upstream_redirect), and nothing but the upstream itself is resolved or dialled."""
