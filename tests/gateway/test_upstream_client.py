@@ -19,6 +19,7 @@ from gateway.relay.upstream_client import (
     Pool,
     Unreachable,
 )
+from gateway.relay.upstream_client import Response as UpstreamResponse
 from gateway.routing import table
 from tests.harness.procs import free_port
 
@@ -313,6 +314,11 @@ def resolving_to(address: str) -> Callable[[str, int], Awaitable[list[str]]]:
     return resolve
 
 
+async def dial(pool: Pool, url: str, policy: AddressPolicy) -> UpstreamResponse:
+    """A request to ``url`` under ``policy``, its answer's head in."""
+    return await pool.post(to(url, policy), "/v1/x", b"{}", b"", connect_timeout=5)
+
+
 @pytest.mark.parametrize("policy", [AddressPolicy.PUBLIC, AddressPolicy.NODE])
 @pytest.mark.parametrize(
     "url",
@@ -332,7 +338,7 @@ async def test_metadata_addresses_are_refused_in_every_form_the_resolver_accepts
     connections = Pool(keepalive_s=30)
     try:
         with pytest.raises(Forbidden, match="link-local or a cloud metadata"):
-            await connections.post(to(url, policy), "/v1/x", b"{}", b"", connect_timeout=5)
+            await dial(connections, url, policy)
     finally:
         connections.close()
 
@@ -341,13 +347,7 @@ async def test_a_name_that_resolves_to_the_metadata_address_is_refused() -> None
     connections = Pool(keepalive_s=30, resolver=resolving_to("169.254.169.254"))
     try:
         with pytest.raises(Forbidden, match=r"169\.254\.169\.254"):
-            await connections.post(
-                to("http://innocent.example/", AddressPolicy.PUBLIC),
-                "/v1/x",
-                b"{}",
-                b"",
-                connect_timeout=5,
-            )
+            await dial(connections, "http://innocent.example/", AddressPolicy.PUBLIC)
     finally:
         connections.close()
 
@@ -358,13 +358,9 @@ async def test_loopback_is_refused_to_endpoint_rows_but_is_where_local_engines_l
         try:
             url = f"http://engine.example:{up.port}"
             with pytest.raises(Forbidden, match="loopback"):
-                await connections.post(
-                    to(url, AddressPolicy.PUBLIC), "/v1/x", b"{}", b"", connect_timeout=5
-                )
+                await dial(connections, url, AddressPolicy.PUBLIC)
             assert up.connections == 0  # refused before connecting
-            response = await connections.post(
-                to(url, AddressPolicy.NODE), "/v1/x", b"{}", b"", connect_timeout=5
-            )
+            response = await dial(connections, url, AddressPolicy.NODE)
             assert response.status == 200
             response.release()
         finally:
@@ -392,12 +388,8 @@ async def test_a_remote_nodes_engine_is_never_reached_on_this_machines_loopback(
         connections = Pool(keepalive_s=30, resolver=resolving_to("127.0.0.1"))
         try:
             with pytest.raises(Forbidden, match="loopback"):
-                await connections.post(
-                    to(f"http://gpu-7.example:{up.port}", AddressPolicy.REMOTE_NODE),
-                    "/v1/x",
-                    b"{}",
-                    b"",
-                    connect_timeout=5,
+                await dial(
+                    connections, f"http://gpu-7.example:{up.port}", AddressPolicy.REMOTE_NODE
                 )
         finally:
             connections.close()
@@ -420,12 +412,8 @@ async def test_an_upstream_redirecting_to_the_metadata_address_is_not_followed()
     async with upstream(answering(redirect)) as up:
         connections = Pool(keepalive_s=30, resolver=recording)
         try:
-            response = await connections.post(
-                to(f"http://engine.example:{up.port}", AddressPolicy.NODE),
-                "/v1/x",
-                b"{}",
-                b"",
-                connect_timeout=5,
+            response = await dial(
+                connections, f"http://engine.example:{up.port}", AddressPolicy.NODE
             )
             assert response.status == 302
             assert await response.read() == b""
@@ -506,18 +494,12 @@ async def test_a_connection_opened_for_a_node_is_not_reused_for_an_endpoint_row(
         connections = Pool(keepalive_s=30, resolver=resolving_to("127.0.0.1"))
         url = f"http://engine.example:{up.port}"
         try:
-            response = await connections.post(
-                to(url, AddressPolicy.NODE), "/v1/x", b"{}", b"", connect_timeout=5
-            )
+            response = await dial(connections, url, AddressPolicy.NODE)
             response.release()
             with pytest.raises(Forbidden, match="loopback"):
-                await connections.post(
-                    to(url, AddressPolicy.PUBLIC), "/v1/x", b"{}", b"", connect_timeout=5
-                )
+                await dial(connections, url, AddressPolicy.PUBLIC)
             # Under its own policy the connection is still kept and reused.
-            response = await connections.post(
-                to(url, AddressPolicy.NODE), "/v1/x", b"{}", b"", connect_timeout=5
-            )
+            response = await dial(connections, url, AddressPolicy.NODE)
             response.release()
         finally:
             connections.close()
