@@ -11,8 +11,10 @@ import os
 from typing import Any
 
 from gateway.relay.upstream_client import Pool
+from gateway.routing.table import Upstream
 
-UPSTREAM = os.environ.get("BENCH_UPSTREAM", "http://127.0.0.1:8000")
+# The operator's own upstream: any address (the policy "any"), no engine key.
+UPSTREAM = Upstream("bench", os.environ.get("BENCH_UPSTREAM", "http://127.0.0.1:8000"))
 HEADERS = b"Content-Type: application/json\r\n"
 _pool: Pool | None = None
 

@@ -316,6 +316,7 @@ class NodeAdmin(admin.ModelAdmin[Node]):
         "last_heartbeat_at",
         "agent_version",
         "boot_id",
+        "connected_over_loopback",
         "token_prefix",
         "token_issued_at",
         "cert_serial",

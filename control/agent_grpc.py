@@ -37,7 +37,7 @@ from agents import grpc_wire
 from agents.protocol.codec import encode
 from agents.protocol.messages import ErrorMessage
 from agents.protocol.vocabulary import MAX_MESSAGE_BYTES, CloseCode, ProtocolError
-from control import node_certs, node_tokens, nudges, stream_limits
+from control import agent_peers, node_certs, node_tokens, nudges, stream_limits
 from control.agent_plumbing import in_credentials_thread
 from control.agent_sessions import AgentSession
 
@@ -149,7 +149,7 @@ class AgentServicer:
             await self._end(context, CloseCode.RATE_LIMITED, refusal.message)
             return
         transport = _Stream(context)
-        session = AgentSession(identity, transport)
+        session = AgentSession(identity, transport, peer=agent_peers.grpc_peer(context.peer()))
         self.sessions.add(session)
         tasks = {
             asyncio.create_task(self._read(context, session), name="read"),

@@ -62,8 +62,9 @@ def agent_event(
     return recent < cap
 
 
-def register_hello(node_id: int, hello: Hello) -> None:
-    """Record who connected: addresses, agent version, GPUs; the node is ready from now."""
+def register_hello(node_id: int, hello: Hello, *, over_loopback: bool = False) -> None:
+    """Record who connected: addresses, agent version, GPUs, whether its stream came over
+    loopback; the node is ready from now."""
     now = timezone.now()
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node_id)
@@ -78,6 +79,7 @@ def register_hello(node_id: int, hello: Hello) -> None:
             port_min=hello.port_range[0] if hello.port_range else None,
             port_max=hello.port_range[1] if hello.port_range else None,
             agent_epoch=hello.highest_epoch,
+            connected_over_loopback=over_loopback,
         )
         _store_gpus(node_id, hello.gpus, now, prune=True)
         if was != Health.READY or restarted or not node.boot_id:

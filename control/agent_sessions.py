@@ -35,7 +35,7 @@ from django.db import DatabaseError
 from agents.protocol.codec import decode_agent_message, encode
 from agents.protocol.messages import ErrorMessage, Heartbeat, Hello, ShardStatus, Status, Welcome
 from agents.protocol.vocabulary import CloseCode, ProtocolError
-from control import agent_reports, desired_state, health, node_tokens
+from control import agent_peers, agent_reports, desired_state, health, node_tokens
 from control.agent_plumbing import (
     Coalescer,
     HeartbeatWriter,
@@ -95,8 +95,10 @@ class AgentSession:
         *,
         clock: Callable[[], float] = time.monotonic,
         heartbeats: HeartbeatWriter | None = None,
+        peer: str = "",
     ) -> None:
         self.identity = identity
+        self.peer = peer  # the address the stream comes from (control.agent_peers)
         self.heartbeats = heartbeats or process_heartbeats()
         self.transport = transport
         self.clock = clock
@@ -176,8 +178,13 @@ class AgentSession:
                 CloseCode.FORBIDDEN,
                 f"this stream is authenticated as node {self.identity.name!r}, not {hello.node!r}",
             )
+        refusal = agent_peers.loopback_refusal(hello.addresses, self.peer)
+        if refusal is not None:
+            raise ProtocolError(CloseCode.FORBIDDEN, refusal)
         try:
-            await in_store_thread(agent_reports.register_hello)(self.identity.id, hello)
+            await in_store_thread(agent_reports.register_hello)(
+                self.identity.id, hello, over_loopback=agent_peers.over_loopback(self.peer)
+            )
         except Node.DoesNotExist:
             # Deleted between the handshake and hello: its token went with it.
             raise ProtocolError(CloseCode.UNAUTHORIZED, "this node no longer exists") from None

@@ -29,7 +29,7 @@ from django.db import DatabaseError
 from agents.protocol.codec import encode
 from agents.protocol.messages import ErrorMessage
 from agents.protocol.vocabulary import NODE_HEADER, CloseCode
-from control import node_tokens, nudges, stream_limits
+from control import agent_peers, node_tokens, nudges, stream_limits
 from control.agent_plumbing import in_credentials_thread
 from control.agent_sessions import AgentSession
 
@@ -194,7 +194,7 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
     async def connect(self) -> None:
         identity: node_tokens.NodeIdentity = self.scope[SCOPE_KEY]
         await self.accept()
-        self.session = AgentSession(identity, self)
+        self.session = AgentSession(identity, self, peer=agent_peers.websocket_peer(self.scope))
         await self._join_group()
         # An older stream of this node (a half-open one the agent gave up on) closes itself.
         with contextlib.suppress(Exception):

@@ -225,6 +225,10 @@ class Node(models.Model):
     # The highest leader epoch the agent reported having seen (hello): the leader keeps its
     # lease's epoch above it, or the agent would refuse its desired state.
     agent_epoch = models.BigIntegerField(default=0, editable=False)
+    # Observed at hello: the agent's stream came over loopback, so it runs on the control
+    # plane's host and may advertise loopback addresses (see control.agent_peers). No other
+    # node's loopback address is routed.
+    connected_over_loopback = models.BooleanField(default=False, editable=False)
     created_at = models.DateTimeField(default=timezone.now, editable=False)
 
     class Meta:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -27,7 +27,7 @@ from django.db.models import Q
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 
-from agents.protocol.names import address_problem
+from agents.protocol.names import address_problem, is_loopback
 from control import gateway_counts, leases
 from control.models import Event, Node, Profile, ProfileScale, Replica, ServedModel, Shard
 
@@ -70,12 +70,14 @@ class ReadyReplica:
     profile: str
     host: str
     port: int
-    engine_key: str = ""
+    engine_key: str = field(default="", repr=False)
     # Goes up when the replica restarts: what the gateway learned of its cache is then void.
     generation: int = 1
     # Its engine's KV cache capacity in tokens, as the head shard's agent last reported it
     # (None: not known): what the gateway remembers of that cache is bounded by it.
     cache_tokens: int | None = None
+    # Its node's agent stream came over loopback (the local agent): loopback is its own.
+    local_node: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,12 +147,13 @@ def routing_snapshot() -> RoutingSnapshot:
         .order_by()
         .values_list("id", "model_id", "profile_id", "engine_key", "generation")
     }
-    nodes = dict(
-        Node.objects.filter(health=Node.Health.READY)
+    nodes = {
+        node_id: (addresses, local)
+        for node_id, addresses, local in Node.objects.filter(health=Node.Health.READY)
         .exclude(schedule=Node.Schedule.DRAINING)
         .order_by()
-        .values_list("id", "addresses")
-    )
+        .values_list("id", "addresses", "connected_over_loopback")
+    }
     replicas = []
     for replica_id, node_id, port, cache_tokens in (
         Shard.objects.filter(rank=0)
@@ -159,7 +162,8 @@ def routing_snapshot() -> RoutingSnapshot:
     ):
         if replica_id not in live or node_id not in nodes:
             continue
-        host = next((str(a) for a in (nodes[node_id] or []) if a), "")
+        addresses, local = nodes[node_id]
+        host = next((str(a) for a in (addresses or []) if a), "")
         if not host:
             logger.warning("replica %s: its node reports no address; not routed", replica_id)
             continue
@@ -168,10 +172,21 @@ def routing_snapshot() -> RoutingSnapshot:
             # Agents cannot send such an address; a row edited around them is not trusted.
             logger.warning("replica %s: node address %r %s; not routed", replica_id, host, problem)
             continue
+        if is_loopback(host) and not local:
+            # Refused at hello; a row written around it (or left from before) is not trusted.
+            logger.warning(
+                "replica %s: node address %s is loopback, but its agent did not connect over "
+                "loopback; not routed",
+                replica_id,
+                host,
+            )
+            continue
         model_id, profile_id, key, generation = live[replica_id]
         profile = profile_names.get(profile_id, "")
         replicas.append(
-            ReadyReplica(replica_id, model_id, profile, host, port, key, generation, cache_tokens)
+            ReadyReplica(
+                replica_id, model_id, profile, host, port, key, generation, cache_tokens, local
+            )
         )
     return RoutingSnapshot(models, replicas)
 

@@ -20,7 +20,12 @@ class AddressPolicy(StrEnum):
     a URL's text seemed to avoid."""
 
     ANY = "any"  # the operator named it in their own configuration, or allowed it on purpose
-    NODE = "node"  # an engine on a GPU node: private and loopback are normal; metadata is not
+    # An engine on the node whose agent's stream came over loopback (the local agent): private
+    # and loopback are normal; metadata is not.
+    NODE = "node"
+    # An engine on any other node: private is normal; this machine (loopback) is not, whatever
+    # the node's address resolves to, and neither is metadata.
+    REMOTE_NODE = "remote_node"
     PUBLIC = "public"  # an Endpoint row: not this machine, and not the metadata service either
 
 
@@ -44,7 +49,7 @@ def address_problem(address: str, policy: AddressPolicy | str) -> str | None:
         return f"{ip} is link-local or a cloud metadata address"
     if ip.is_multicast or ip.is_unspecified or ip.is_reserved:
         return f"{ip} is no address an upstream can have"
-    if policy == AddressPolicy.PUBLIC and ip.is_loopback:
+    if policy in (AddressPolicy.PUBLIC, AddressPolicy.REMOTE_NODE) and ip.is_loopback:
         return f"{ip} is this machine (loopback)"
     return None
 

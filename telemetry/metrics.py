@@ -119,6 +119,13 @@ ROUTING_PREDICTIONS = Counter(
     " (it had less cached than predicted: the router's mirror shrank) or surprised (more).",
     ["model", "outcome"],
 )
+KEYS_UNCONFIRMED = Counter(
+    "llmgw_keys_unconfirmed",
+    "Requests refused with 503 because the store could not confirm their API key within"
+    " LLMGW_KEY_CACHE_TTL, by whether this process had loaded the key before (known) or not"
+    " (unknown).",
+    ["key"],
+)
 COLD_START = Histogram(
     "llmgw_replica_cold_start_seconds",
     "Time from placing a replica to its first ready report.",
@@ -180,6 +187,8 @@ _tallies: dict[tuple[str, int], _Tally] = {}
 _routes: dict[tuple[str, str], int] = {}
 _predictions: dict[tuple[str, str], int] = {}
 _cached: dict[tuple[str, str], list[int]] = {}
+# Requests refused for a key the store could not confirm: "known" / "unknown" → refusals.
+_unconfirmed: dict[str, int] = {}
 # The loop that will write the tally (None: no write is due). A loop that closes before its
 # write came due (a test's) must not stop every later loop from scheduling one.
 _writer_loop: asyncio.AbstractEventLoop | None = None
@@ -238,6 +247,15 @@ def observe_prefix_cache(
     _write_soon()
 
 
+def observe_key_unconfirmed(*, known: bool) -> None:
+    """One request refused because the store could not confirm its API key in time (the key
+    had been loaded before, or never), tallied like requests: an outage refuses at the rate
+    requests arrive."""
+    key = "known" if known else "unknown"
+    _unconfirmed[key] = _unconfirmed.get(key, 0) + 1
+    _write_soon()
+
+
 def _write_soon() -> None:
     """Schedule the write of the tallies within ``FLUSH_EVERY_S`` on this event loop (or write
     them now where there is none: commands, tests)."""
@@ -255,10 +273,12 @@ def _write_soon() -> None:
 def write_tallies() -> None:
     """Write the request tally to the shared files. Only the thread that observes calls this
     (the event loop, or a caller without one), so no update can slip between read and reset."""
-    global _tallies, _routes, _predictions, _cached, _writer_loop
+    global _tallies, _routes, _predictions, _cached, _unconfirmed, _writer_loop
     tallies, _tallies, _writer_loop = _tallies, {}, None
-    routes, predictions, cached = _routes, _predictions, _cached
-    _routes, _predictions, _cached = {}, {}, {}
+    routes, predictions, cached, unconfirmed = _routes, _predictions, _cached, _unconfirmed
+    _routes, _predictions, _cached, _unconfirmed = {}, {}, {}, {}
+    for known, count in unconfirmed.items():
+        KEYS_UNCONFIRMED.labels(known).inc(count)
     for (model, outcome), count in routes.items():
         ROUTING_DECISIONS.labels(_model(model), outcome).inc(count)
     for (model, outcome), count in predictions.items():

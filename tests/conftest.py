@@ -19,6 +19,7 @@ from pytest_django.fixtures import _set_suffix_to_test_databases
 
 from tests.harness.clock import FakeClock
 from tests.harness.redis import RedisServer
+from tests.harness.store import StoreCut
 
 STORE_FIXTURES = {"django_db_setup"}  # every way to the test database goes through it
 STORELESS = pytest.StashKey[int]()  # how many tests --store-tests-only left out
@@ -211,15 +212,9 @@ def store_unreachable() -> Iterator[None]:
     PostgreSQL: a closed port on loopback (connection refused). SQLite: a file in a folder that
     does not exist (unable to open database file).
     """
-    saved = dict(connection.settings_dict)
-    connection.close()
-    if connection.vendor == "postgresql":
-        connection.settings_dict.update(HOST="127.0.0.1", PORT="1")
-    else:
-        connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
+    store = StoreCut()
+    store.cut()
     try:
         yield
     finally:
-        connection.close()
-        connection.settings_dict.clear()
-        connection.settings_dict.update(saved)
+        store.restore()

@@ -1,6 +1,9 @@
 """The names and addresses a node may use: its own name, the addresses its engines are reached
 at, and the weights paths it may be asked to remove. The protocol's decoder refuses anything
-else, and the control plane checks what operators type with the same rules."""
+else, and the control plane checks what operators type with the same rules. A loopback address
+(:func:`is_loopback`) is well formed, but the control plane takes it only from the agent whose
+own stream comes over loopback: from any other node it would point the gateway at its own
+host's services."""
 
 from __future__ import annotations
 
@@ -39,6 +42,19 @@ def address_problem(address: str) -> str | None:
     if labels[-1].isdigit() or labels[-1].lower().startswith("0x"):
         return "must be a canonical IP address (dotted decimal) or a host name"
     return None
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is this machine's loopback: 127.0.0.0/8 or ::1 (an IPv4-mapped one
+    too), or the ``localhost`` names (which resolve there by RFC 6761)."""
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])
+    except ValueError:
+        name = address.lower().rstrip(".")
+        return name == "localhost" or name.endswith(".localhost")
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
 
 
 def valid_node_name(name: str) -> bool:

@@ -7,8 +7,11 @@ checks them, and says why a plain SHA-256 is the right hash).
 
 Checking a key must not cost a database round trip on a warm request: lookups (hits and
 misses) are cached in-process for ``LLMGW_KEY_CACHE_TTL`` seconds, so a revocation or an edit
-reaches every web process within that time. Expiry is compared on every request against the
-cached expiry, so it takes effect to the second.
+reaches every web process within that time. That bound holds whatever the store does: a key no
+load has confirmed within it is refused with 503 (the gateway cannot confirm keys now; the key
+may well be valid, so not 401) and counted in ``llmgw_keys_unconfirmed``, until the store
+answers again. Expiry is compared on every request against the cached expiry, so it takes
+effect to the second.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from credentials.bearer import BearerSecret
 from gateway import dbthread
 from gateway.errors import ApiError
 from gateway.models import ApiKey, TeamLimits, UserLimits
+from telemetry import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,6 @@ hash_key: Final = API_KEY.hash
 well_formed: Final = API_KEY.well_formed
 # Bounds the cache against a flood of random keys; overflowing clears it (cheap, rare).
 _CACHE_MAX = 50_000
-# How long past its TTL a cached key is still trusted while the store cannot be reached.
-STALE_FOR_S = 600.0
 # A key a request used within this long is kept loaded (see KeyCache), up to this many (the
 # most recently used): each reload is four queries a 500 keys, every third of the TTL. The
 # batch that reloads them runs at most every MIN_REFRESH_S, whatever the TTL.
@@ -260,9 +262,10 @@ class KeyCache:
     cannot turn into a flood of queries.
 
     An entry is trusted for ``LLMGW_KEY_CACHE_TTL`` seconds; past that a lookup waits for a
-    fresh load, so a revocation takes effect within the TTL. So that no request waits for the
-    database on a key in use, the keys requests used within ``KEEP_WARM_S`` are reloaded
-    together, in one batch, every third of the TTL (``_keep_warm``): measured under ``make
+    fresh load, so a revocation takes effect within the TTL; if that load fails (the store is
+    unreachable), the key is refused with 503 rather than trusted longer. So that no request
+    waits for the database on a key in use, the keys requests used within ``KEEP_WARM_S`` are
+    reloaded together, in one batch, every third of the TTL (``_keep_warm``): measured under ``make
     bench``, a stream whose key had just aged out waited 3-5 ms more for its first token (the
     key's queries in the database thread), the slowest first token in a hundred. A key used
     less often than the TTL but within ``KEEP_WARM_S`` is in that set too, so its request is
@@ -298,13 +301,18 @@ class KeyCache:
             # Shielded: a waiter whose client hangs up must not cancel the others' load.
             return await asyncio.shield(self._load(key_hash))
         except DatabaseError:
-            # The store is down. A key this process saw recently keeps working through the
-            # outage (its expiry is still checked); one it never saw gets 503, not 401: the
-            # key may well be valid.
-            if entry is not None and now - entry[1] < ttl + STALE_FOR_S:
-                return entry[0]
+            # The store is down. A batch reload that got through meanwhile still counts.
+            fresh = self._entries.get(key_hash)
+            if fresh is not None and self._clock() - fresh[1] < ttl:
+                return fresh[0]
+            # Trusting the last answer longer would let a key revoked since keep working for as
+            # long as the outage lasts: refused, with 503, not 401 (the key may well be valid).
+            metrics.observe_key_unconfirmed(known=entry is not None)
             raise ApiError(
-                503, "API keys cannot be checked right now.", "store_unavailable", retry_after=5
+                503,
+                "The gateway cannot confirm API keys right now; try again shortly.",
+                "key_unconfirmed",
+                retry_after=5,
             ) from None
 
     def _load(self, key_hash: str) -> asyncio.Task[KeyInfo | None]:

@@ -113,14 +113,14 @@ async def _attempt(
     response: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(deadlines.first_byte):
-            headers += upstream.authorization  # the engine's own key: only the gateway holds it
+            # The pool adds the engine's own key (only the gateway holds it) and connects only
+            # where the upstream's address policy allows.
             response = await pool().post(
-                upstream.base_url,
+                upstream,
                 ex.api_route.path,
                 ex.body.forward_body,
                 headers + b"X-Request-Id: " + upstream_request_id(ex.request_id) + b"\r\n",
                 connect_timeout=deadlines.connect,
-                addresses=upstream.addresses,
             )
             status = response.status
             # An engine never redirects; an upstream that does is not followed anywhere.

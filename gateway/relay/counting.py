@@ -214,21 +214,19 @@ class Tokenizer:
 
     def __init__(self, pool: Pool, upstream: Upstream, model: str) -> None:
         self.pool = pool
+        # The pool calls it as the relay does: with the engine's key (llama-cpp-python guards
+        # its tokenize endpoints with it), and only at the addresses the upstream may reach.
+        self.upstream = upstream
         self.base_url = upstream.base_url
         self.model = model
-        # As the relay calls the upstream: with the engine's key (llama-cpp-python guards its
-        # tokenize endpoints with it), and only at the addresses the upstream may resolve to.
-        self.headers = _HEADERS + upstream.authorization
-        self.addresses = upstream.addresses
 
     async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         response = await self.pool.post(
-            self.base_url,
+            self.upstream,
             path,
             json.dumps(body, ensure_ascii=False).encode(),
-            self.headers,
+            _HEADERS,
             connect_timeout=TOKENIZE_TIMEOUT_S,
-            addresses=self.addresses,
         )
         raw = await response.read()
         response.release()
@@ -406,25 +404,27 @@ def context_length(base_urls: Sequence[str], model: str) -> int | None:
     return None
 
 
-def learn_context_length(pool: Pool, base_url: str, model: str) -> None:
+def learn_context_length(pool: Pool, upstream: Upstream, model: str) -> None:
     """Ask the engine's model list for the context length, in the background, at most once
     per ``CONTEXT_TTL_S``: the next reservation for a request without a max-token field uses
-    it (the context left after the prompt) instead of the default."""
+    it (the context left after the prompt) instead of the default. Asked as the relay asks:
+    with the engine's key, only where the upstream's address policy allows."""
+    base_url = upstream.base_url
     now = time.monotonic()
     known = _contexts.get((base_url, model))
     if known is not None and known[1] > now:
         return
     _contexts[(base_url, model)] = (known[0] if known else None, now + CONTEXT_TTL_S)
-    task = asyncio.get_running_loop().create_task(_learn(pool, base_url, model, now))
+    task = asyncio.get_running_loop().create_task(_learn(pool, upstream, model, now))
     _learning.add(task)
     task.add_done_callback(_learning.discard)
 
 
-async def _learn(pool: Pool, base_url: str, model: str, now: float) -> None:
+async def _learn(pool: Pool, upstream: Upstream, model: str, now: float) -> None:
     try:
         async with asyncio.timeout(TOKENIZE_TIMEOUT_S):
             response = await pool.post(
-                base_url,
+                upstream,
                 "/v1/models",
                 b"",
                 b"Accept: application/json\r\n",
@@ -441,4 +441,4 @@ async def _learn(pool: Pool, base_url: str, model: str, now: float) -> None:
         if isinstance(card, dict) and card.get("id") == model:
             length = card.get("max_model_len")
             if isinstance(length, int) and not isinstance(length, bool) and length > 0:
-                _contexts[(base_url, model)] = (length, now + CONTEXT_TTL_S)
+                _contexts[(upstream.base_url, model)] = (length, now + CONTEXT_TTL_S)

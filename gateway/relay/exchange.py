@@ -159,7 +159,7 @@ class Exchange:
         if self.learn_context and self.served_by is not None and self.route is not None:
             # Only after the answer: llama-cpp-python's server interrupts the stream it is
             # generating when another request arrives.
-            counting.learn_context_length(pool(), self.served_by.base_url, self.route.name)
+            counting.learn_context_length(pool(), self.served_by, self.route.name)
         self.drop_hold()
         usage = self.usage
         usage.status = status

@@ -13,6 +13,13 @@ and SGLang, closes an idle connection after 5 s), host names are resolved at mos
 minute, and a stream's connection stops reading while the client has not taken what was read
 (so a slow client holds back the engine instead of growing this process's memory).
 
+Every call, relayed or the gateway's own (token counting, the context-length probe), names the
+``Upstream`` it goes to (``Pool.post`` is the one way in) and gets from it what no caller may
+forget: the engine's key on the request and the addresses a connection may reach. A connection
+is checked against that policy when it is opened, so it is kept for requests under the same
+policy only: one opened for a node's engine (where loopback may be normal) never carries an
+Endpoint row's request to the same origin.
+
 It imports nothing of Django's, so a benchmark's floor can use the very same client.
 """
 
@@ -32,6 +39,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from gateway.addresses import AddressPolicy, address_problem
+from gateway.routing.table import Upstream
 
 # Stop reading from an upstream while this much of its answer waits for the client.
 HIGH_WATER = 256 * 1024
@@ -206,11 +214,13 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection to one origin, carrying one request at a time."""
+    """One keep-alive connection to one origin, carrying one request at a time, opened (and so
+    reused) under one address policy."""
 
-    def __init__(self, pool: Pool, origin: Origin) -> None:
+    def __init__(self, pool: Pool, origin: Origin, policy: AddressPolicy) -> None:
         self._pool = pool
         self.origin = origin
+        self.policy = policy
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -340,7 +350,7 @@ class _Connection(asyncio.Protocol):
 
 
 class Pool:
-    """Keep-alive connections per origin, for one event loop."""
+    """Keep-alive connections per origin and address policy, for one event loop."""
 
     def __init__(
         self,
@@ -350,7 +360,7 @@ class Pool:
     ) -> None:
         self.keepalive_s = keepalive_s
         self._resolver = resolver or _getaddrinfo
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[tuple[Origin, AddressPolicy], list[_Connection]] = {}
         self._origins: dict[str, Origin] = {}
         self._addresses: dict[tuple[str, int], tuple[str, float]] = {}
         self._tls: ssl.SSLContext | None = None
@@ -358,31 +368,33 @@ class Pool:
 
     async def post(
         self,
-        base_url: str,
+        upstream: Upstream,
         path: str,
         body: bytes,
         headers: bytes,
         *,
         connect_timeout: float,
-        addresses: AddressPolicy | str = AddressPolicy.ANY,
         method: bytes = b"POST",
     ) -> Response:
-        """Send ``POST path`` (or ``method``) with ``body`` and return once the answer's status
-        and headers are in. ``headers`` are complete header lines (``Name: value\\r\\n``)
-        without Host and Content-Length. A new connection is made only to an address
-        ``addresses`` allows. Raises ``Unreachable`` (``Forbidden``), ``Dropped`` or ``Broken``."""
-        origin = self._origins.get(base_url)
+        """Send ``POST path`` (or ``method``) with ``body`` to ``upstream`` and return once the
+        answer's status and headers are in. ``headers`` are complete header lines
+        (``Name: value\\r\\n``) without Host, Content-Length and Authorization: the engine's key
+        is the upstream's to add. A connection is made, or reused, only under the upstream's
+        address policy. Raises ``Unreachable`` (``Forbidden``), ``Dropped`` or ``Broken``."""
+        origin = self._origins.get(upstream.base_url)
         if origin is None:
-            origin = self._origins[base_url] = Origin.of(base_url)
-        connection = self._reuse(origin) or await self._connect(
-            origin, connect_timeout, AddressPolicy(addresses)
+            origin = self._origins[upstream.base_url] = Origin.of(upstream.base_url)
+        policy = AddressPolicy(upstream.addresses)
+        connection = self._reuse(origin, policy) or await self._connect(
+            origin, connect_timeout, policy
         )
-        head = b"%s %s%s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
+        head = b"%s %s%s HTTP/1.1\r\nHost: %s\r\n%s%sContent-Length: %d\r\n\r\n" % (
             method,
             origin.path_prefix,
             path.encode(),
             origin.host_header,
             headers,
+            upstream.authorization,
             len(body),
         )
         try:
@@ -399,8 +411,8 @@ class Pool:
             raise
         return response
 
-    def _reuse(self, origin: Origin) -> _Connection | None:
-        idle = self._idle.get(origin)
+    def _reuse(self, origin: Origin, policy: AddressPolicy) -> _Connection | None:
+        idle = self._idle.get((origin, policy))
         now = time.monotonic()
         while idle:
             connection = idle.pop()
@@ -414,10 +426,10 @@ class Pool:
         return None
 
     async def _connect(
-        self, origin: Origin, deadline_s: float, policy: AddressPolicy = AddressPolicy.ANY
+        self, origin: Origin, deadline_s: float, policy: AddressPolicy
     ) -> _Connection:
         loop = asyncio.get_running_loop()
-        connection = _Connection(self, origin)
+        connection = _Connection(self, origin, policy)
         tls = self._tls_context() if origin.scheme == "https" else None
         try:
             async with asyncio.timeout(deadline_s):
@@ -460,11 +472,11 @@ class Pool:
 
     def idle(self, connection: _Connection) -> None:
         connection.idle_since = time.monotonic()
-        self._idle.setdefault(connection.origin, []).append(connection)
+        self._idle.setdefault((connection.origin, connection.policy), []).append(connection)
 
     def forget(self, connection: _Connection) -> None:
         self._open.discard(connection)
-        idle = self._idle.get(connection.origin)
+        idle = self._idle.get((connection.origin, connection.policy))
         if idle and connection in idle:
             idle.remove(connection)
 

@@ -21,7 +21,8 @@ class Upstream:
     # The engine's API key (replicas only): sent as the bearer on every request upstream.
     key: str = field(default="", repr=False)
     # Which addresses a connection may end at (upstream_client.AddressPolicy's values):
-    # "node" for replicas, "public" for Endpoint rows, "any" where an operator allowed it.
+    # "node" for replicas on the node whose agent connected over loopback, "remote_node" for
+    # the others, "public" for Endpoint rows, "any" where an operator allowed it.
     addresses: str = "any"
     # A replica's restart count: what routing learned of its cache holds for one generation.
     generation: int = 0
@@ -65,6 +66,8 @@ class ReplicaRow:
     key: str = field(default="", repr=False)
     generation: int = 1
     cache_tokens: int | None = None  # see Upstream
+    # Its node's agent stream came over loopback: its engines may listen on this machine's.
+    local_node: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ def build_table(
             f"replica:{replica.id}",
             base_url(replica.host, replica.port),
             key=replica.key,
-            addresses="node",
+            addresses="node" if replica.local_node else "remote_node",
             generation=replica.generation,
             cache_tokens=replica.cache_tokens,
         )

@@ -91,6 +91,7 @@ def load_table(version: int = 0) -> Table:
             key=r.engine_key,
             generation=r.generation,
             cache_tokens=r.cache_tokens,
+            local_node=r.local_node,
         )
         for r in snapshot.replicas
     ]

@@ -25,7 +25,15 @@ from django.db import OperationalError, transaction
 from django.utils import timezone
 
 from agents.protocol.codec import decode_server_message, encode
-from agents.protocol.messages import GpuInfo, Heartbeat, Hello, ShardStatus, Status, WeightsReport
+from agents.protocol.messages import (
+    ErrorMessage,
+    GpuInfo,
+    Heartbeat,
+    Hello,
+    ShardStatus,
+    Status,
+    WeightsReport,
+)
 from agents.protocol.vocabulary import (
     MAX_MESSAGE_BYTES,
     NODE_HEADER,
@@ -36,7 +44,7 @@ from agents.protocol.vocabulary import (
     ShardState,
     WeightsState,
 )
-from control import agent_reports, desired_state, health, node_tokens, nudges
+from control import agent_peers, agent_reports, desired_state, health, node_tokens, nudges, serving
 from control.agent_plumbing import HeartbeatWriter, NodeRowReader, read_node_rows
 from control.agent_sessions import FULL_RESYNC_EVERY, AgentSession
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
@@ -759,13 +767,20 @@ async def test_a_session_without_hello_is_closed_after_the_deadline(
 APP = URLRouter(websocket_urlpatterns)
 
 
-def communicator(token: str | None, node: str | None = "n1") -> WebsocketCommunicator:
+def communicator(
+    token: str | None, node: str | None = "n1", *, peer: tuple[str, int] | None = None
+) -> WebsocketCommunicator:
+    """A stream to the consumer; ``peer``: the address it comes from, as the server's scope
+    names it (``client``)."""
     headers = []
     if token is not None:
         headers.append((b"authorization", f"Bearer {token}".encode()))
     if node is not None:
         headers.append((NODE_HEADER.lower().encode(), node.encode()))
-    return WebsocketCommunicator(APP, "/agents/stream", headers=headers)
+    comm = WebsocketCommunicator(APP, "/agents/stream", headers=headers)
+    if peer is not None:
+        comm.scope["client"] = peer  # read when the application starts, at connect
+    return comm
 
 
 @pytest.fixture
@@ -907,6 +922,83 @@ async def test_revoking_a_token_closes_its_open_stream(token: str) -> None:
     assert await database_sync_to_async(node_tokens.revoke_node_token)("n1")
     code, message = await _closed_with(comm)
     assert (code, message) == (CloseCode.UNAUTHORIZED, "this node's token was revoked")
+
+
+def _serving(shard_id: int) -> None:
+    """The shard's replica ready and meant to run: what the gateway routes to."""
+    shard = Shard.objects.get(pk=shard_id)
+    Shard.objects.filter(pk=shard_id).update(observed=Replica.Observed.READY)
+    Replica.objects.filter(pk=shard.replica_id).update(
+        observed=Replica.Observed.READY, desired=Replica.Desired.RUNNING
+    )
+
+
+@committed
+async def test_a_node_whose_stream_is_not_over_loopback_gets_no_traffic_at_a_loopback_address(
+    token: str,
+) -> None:
+    """A remote node cannot point the gateway at the gateway host's own loopback: only the
+    agent whose stream itself comes over loopback (the local agent) may advertise it."""
+    node = await Node.objects.aget(name="n1")
+    shard = await database_sync_to_async(shard_on)(node)
+    comm = communicator(token, peer=("10.9.8.7", 40000))
+    assert (await comm.connect(timeout=CONNECT_TIMEOUT))[0]
+    await comm.send_to(text_data=encode(hello(addresses=("127.0.0.1",))))
+    answer = decode_server_message(await comm.receive_from())
+    await database_sync_to_async(_serving)(shard.pk)
+    snapshot = await database_sync_to_async(serving.routing_snapshot)()
+    assert [(r.id, r.host) for r in snapshot.replicas] == []
+    assert isinstance(answer, ErrorMessage) and answer.code == CloseCode.FORBIDDEN
+    assert "127.0.0.1" in answer.message and "loopback" in answer.message
+    assert "10.9.8.7" in answer.message
+    close = await comm.receive_output()
+    assert (close["type"], close["code"]) == ("websocket.close", CloseCode.FORBIDDEN)
+    node = await Node.objects.aget(name="n1")
+    assert node.addresses == [] and not node.connected_over_loopback  # nothing registered
+
+
+@committed
+async def test_the_local_agent_over_loopback_is_routed_at_its_loopback_address(
+    token: str,
+) -> None:
+    node = await Node.objects.aget(name="n1")
+    shard = await database_sync_to_async(shard_on)(node)
+    comm = communicator(token, peer=("127.0.0.1", 40000))
+    assert (await comm.connect(timeout=CONNECT_TIMEOUT))[0]
+    await comm.send_to(text_data=encode(hello(addresses=("127.0.0.1",))))
+    assert decode_server_message(await comm.receive_from()).TYPE == "welcome"
+    await database_sync_to_async(_serving)(shard.pk)
+    snapshot = await database_sync_to_async(serving.routing_snapshot)()
+    assert [(r.id, r.host) for r in snapshot.replicas] == [(shard.replica_id, "127.0.0.1")]
+    assert (await Node.objects.aget(name="n1")).connected_over_loopback
+    await comm.disconnect()
+
+
+def test_where_a_stream_comes_from_and_what_it_may_advertise(settings: Any) -> None:
+    assert agent_peers.grpc_peer("ipv4:127.0.0.1:50211") == "127.0.0.1"
+    assert agent_peers.grpc_peer("ipv6:[::1]:50211") == "::1"
+    assert agent_peers.grpc_peer("ipv6:%5B::1%5D:50211") == "::1"
+    assert agent_peers.grpc_peer("ipv4:10.0.0.9:4000") == "10.0.0.9"
+    assert agent_peers.grpc_peer("unix:/run/llmgw.sock") == ""
+    assert agent_peers.grpc_peer(None) == ""
+    for peer, local in [("127.0.0.1", True), ("127.9.9.9", True), ("::1", True),
+                        ("::ffff:127.0.0.1", True), ("10.0.0.9", False), ("", False)]:  # fmt: skip
+        assert agent_peers.over_loopback(peer) is local, peer
+    for address in ("127.0.0.1", "127.1.2.3", "::1", "localhost", "Engine.LOCALHOST."):
+        assert agent_peers.loopback_refusal(["10.0.0.5", address], "10.0.0.9"), address
+        assert agent_peers.loopback_refusal([address], "127.0.0.1") is None, address
+    assert agent_peers.loopback_refusal(["10.0.0.5", "gpu-7.internal"], "10.0.0.9") is None
+    # Behind a proxy on this host every stream comes from loopback; the header it appends says
+    # where from (its rightmost entry: those to its left are the client's own word).
+    scope = {
+        "client": ("127.0.0.1", 5000),
+        "headers": [(b"x-forwarded-for", b"127.0.0.1, 10.0.0.9")],
+    }
+    assert agent_peers.websocket_peer(scope) == "127.0.0.1"
+    settings.LLMGW_CLIENT_IP_HEADER = "X-Forwarded-For"
+    assert agent_peers.websocket_peer(scope) == "10.0.0.9"
+    assert agent_peers.websocket_peer({"client": ("127.0.0.1", 5000)}) == "127.0.0.1"
+    assert agent_peers.websocket_peer({}) == ""
 
 
 @committed

@@ -13,7 +13,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from control import serving
-from control.models import Node, Profile, Replica, ServedModel
+from control.models import Node, Profile, Replica, ServedModel, Shard
 
 pytestmark = pytest.mark.django_db
 
@@ -93,3 +93,40 @@ def test_an_early_tick_is_the_reconcile_task_put_on_the_sites_broker_by_name() -
     finally:
         for path in sent:
             path.unlink()
+
+
+def _ready_replica_on(node: Node, model: ServedModel, port: int) -> Replica:
+    replica = Replica.objects.create(
+        model=model,
+        profile=model.default_profile,
+        desired=Replica.Desired.RUNNING,
+        observed=Replica.Observed.READY,
+    )
+    Shard.objects.create(replica=replica, node=node, rank=0, port=port, observed="ready")
+    return replica
+
+
+def test_a_loopback_address_is_routed_only_for_a_node_whose_stream_came_over_loopback() -> None:
+    """Defence in depth behind the hello's check: a node row that says 127.0.0.1 (written
+    around the stream, or left from before) is not routed unless its agent's own stream came
+    over loopback."""
+    model = a_model()
+    remote = Node.objects.create(
+        name="remote",
+        addresses=["127.0.0.1"],
+        health=Node.Health.READY,
+        last_heartbeat_at=timezone.now(),
+    )
+    _ready_replica_on(remote, model, 20001)
+    assert serving.routing_snapshot().replicas == []
+    local = Node.objects.create(
+        name="local",
+        addresses=["127.0.0.1"],
+        health=Node.Health.READY,
+        last_heartbeat_at=timezone.now(),
+        connected_over_loopback=True,
+    )
+    replica = _ready_replica_on(local, model, 20002)
+    [routed] = serving.routing_snapshot().replicas
+    assert (routed.id, routed.host, routed.local_node) == (replica.pk, "127.0.0.1", True)
+    assert routed.engine_key not in repr(routed)

@@ -17,6 +17,7 @@ from gateway.identity import keys
 from gateway.models import ApiKey
 from tests.harness.clock import FakeClock
 from tests.harness.live import close_db_thread
+from tests.harness.store import StoreCut
 
 
 @pytest.fixture(autouse=True)
@@ -281,10 +282,11 @@ def test_create_api_key_prints_the_key_once(alice: Any, capsys: Any) -> None:
         call_command("create_api_key", "alice", "--expires", "tomorrow-ish")
 
 
-async def test_a_known_key_keeps_working_while_the_store_is_down(
+async def test_a_known_key_keeps_working_within_the_ttl_while_the_store_is_down(
     alice: Any, settings: Any, request: pytest.FixtureRequest
 ) -> None:
-    """U3's choice for keys: seen recently, trusted through the outage; never seen, 503."""
+    """U3's choice for keys: loaded within the TTL, trusted; never seen, or not confirmed
+    within the TTL, 503 (the bound on revocation holds through an outage)."""
     from asgiref.sync import sync_to_async
 
     from gateway.errors import ApiError
@@ -297,12 +299,61 @@ async def test_a_known_key_keeps_working_while_the_store_is_down(
     close_db_thread()  # its open connection would otherwise hide the outage
     # In the database thread: that is the connection the lookups use.
     await sync_to_async(request.getfixturevalue)("store_unreachable")
-    clock.advance(5)
+    clock.advance(0.5)
     assert await cache.lookup(issued.key) is not None
     await cache.settled()
     with pytest.raises(ApiError) as unknown:
         await cache.lookup("llmgw-" + "B" * 43)
     assert unknown.value.status == 503 and unknown.value.retry_after
-    clock.advance(keys.STALE_FOR_S + 10)
+    clock.advance(0.6)
     with pytest.raises(ApiError):
         await cache.lookup(issued.key)
+
+
+async def test_while_reloads_fail_a_key_works_within_the_ttl_and_is_refused_after_it(
+    alice: Any, settings: Any
+) -> None:
+    """Revocation is visible within LLMGW_KEY_CACHE_TTL whatever the store does: a key not
+    confirmed by a load within it is refused (503, the gateway cannot confirm keys now: the
+    key may well be valid, so not 401), and counted; once the store answers again the key
+    works again, or is refused as revoked if it was revoked meanwhile."""
+    from asgiref.sync import sync_to_async
+    from prometheus_client import REGISTRY
+
+    from gateway.errors import ApiError
+    from telemetry import metrics
+
+    def refusals() -> float:
+        metrics.write_tallies()
+        return REGISTRY.get_sample_value("llmgw_keys_unconfirmed_total", {"key": "known"}) or 0.0
+
+    settings.LLMGW_KEY_CACHE_TTL = 1.0
+    clock = FakeClock()
+    cache = keys.KeyCache(clock)
+    kept, revoked = [await sync_to_async(keys.issue)("alice") for _ in range(2)]
+    for issued in (kept, revoked):
+        assert await cache.lookup(issued.key) is not None
+    await sync_to_async(keys.revoke)(revoked.api_key.pk)
+    close_db_thread()  # its open connection would otherwise hide the outage
+    store = StoreCut()
+    await sync_to_async(store.cut)()  # in the database thread: the lookups' connection
+    try:
+        clock.advance(0.9)  # within the TTL: answered from the cache, its reload fails behind
+        info = await cache.lookup(kept.key)
+        assert info is not None and info.usable(0)
+        await cache.settled()
+        clock.advance(0.2)  # past the TTL since the last load that succeeded
+        before = refusals()
+        for issued in (revoked, kept):
+            with pytest.raises(ApiError) as refused:
+                await cache.lookup(issued.key)
+            assert refused.value.status == 503 and refused.value.retry_after
+            assert "cannot confirm API keys" in refused.value.message
+            assert issued.key not in refused.value.message
+        assert refusals() == before + 2
+    finally:
+        await sync_to_async(store.restore)()
+    info = await cache.lookup(kept.key)
+    assert info is not None and info.usable(0)
+    again = await cache.lookup(revoked.key)
+    assert again is not None and again.revoked and not again.usable(0)

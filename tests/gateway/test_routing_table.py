@@ -109,3 +109,23 @@ def test_each_query_of_a_table_load_reads_one_table() -> None:
     assert len(statements) == 7
     for sql in statements:
         assert " JOIN " not in sql.upper() and len(re.findall(r"\bFROM\b", sql)) == 1, sql
+
+
+def test_a_replica_on_a_node_not_connected_over_loopback_may_not_be_reached_on_loopback() -> None:
+    """The node's loopback address is refused before routing; the policy its upstream carries
+    refuses a name of it that resolves to this machine's loopback as well."""
+    served = serve_model("local", [8001])
+    remote = serve_model("remote", [8002])
+    Node.objects.filter(shards__replica__in=remote.replicas).update(
+        addresses=["gpu-7.example"], connected_over_loopback=False
+    )
+    table = load_table()
+    policies = {
+        name: [(u.id, u.addresses) for u in route.upstreams]
+        for name in ("local", "remote")
+        if (route := table.resolve(name)) is not None
+    }
+    assert policies == {
+        "local": [(f"replica:{served.replicas[0].pk}", "node")],
+        "remote": [(f"replica:{remote.replicas[0].pk}", "remote_node")],
+    }

@@ -19,6 +19,8 @@ from gateway.relay.upstream_client import (
     Pool,
     Unreachable,
 )
+from gateway.relay.upstream_client import Response as UpstreamResponse
+from gateway.routing import table
 from tests.harness.procs import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Upstream"], Awaitable[None]]
@@ -97,9 +99,14 @@ def pool() -> Iterator[Pool]:
     connections.close()
 
 
+def to(url: str, policy: AddressPolicy = AddressPolicy.ANY) -> table.Upstream:
+    """An upstream at ``url``, as the routing table hands one to the client."""
+    return table.Upstream(f"upstream:{url}", url, addresses=policy)
+
+
 async def post(pool: Pool, url: str, body: bytes = b'{"x":1}') -> tuple[int, bytes]:
     response = await pool.post(
-        url, "/v1/chat/completions", body, b"X-Request-Id: r1\r\n", connect_timeout=5
+        to(url), "/v1/chat/completions", body, b"X-Request-Id: r1\r\n", connect_timeout=5
     )
     data = await response.read()
     response.release()
@@ -136,7 +143,7 @@ async def test_a_chunked_stream_is_handed_over_as_each_piece_arrives(pool: Pool)
         await reader.read()
 
     async with upstream(engine) as up:
-        response = await pool.post(up.url, "/v1/completions", b"{}", b"", connect_timeout=5)
+        response = await pool.post(to(up.url), "/v1/completions", b"{}", b"", connect_timeout=5)
         assert await response.read_piece() == b"data: 1\n\n"
         next_piece.set()
         assert await response.read_piece() == b"data: 2\n\n"
@@ -163,7 +170,7 @@ async def test_the_idle_deadline_counts_only_the_wait_for_a_piece(pool: Pool) ->
 
     idle = 0.2
     async with upstream(engine) as up:
-        response = await pool.post(up.url, "/v1/completions", b"{}", b"", connect_timeout=5)
+        response = await pool.post(to(up.url), "/v1/completions", b"{}", b"", connect_timeout=5)
         for n in range(3):  # each piece comes in time; the reader dawdles between reads
             send.put_nowait(b"data: %d\n\n" % n)
             assert await response.read_piece(idle) == b"data: %d\n\n" % n
@@ -259,7 +266,7 @@ async def test_a_client_that_does_not_read_stops_the_upstream_instead_of_bufferi
         await reader.read()
 
     async with upstream(engine) as up:
-        response = await pool.post(up.url, "/v1/completions", b"{}", b"", connect_timeout=5)
+        response = await pool.post(to(up.url), "/v1/completions", b"{}", b"", connect_timeout=5)
         async with asyncio.timeout(30):
             await blocked.wait()
         # What the client holds is bounded by the high-water mark and one read's worth.
@@ -307,6 +314,11 @@ def resolving_to(address: str) -> Callable[[str, int], Awaitable[list[str]]]:
     return resolve
 
 
+async def dial(pool: Pool, url: str, policy: AddressPolicy) -> UpstreamResponse:
+    """A request to ``url`` under ``policy``, its answer's head in."""
+    return await pool.post(to(url, policy), "/v1/x", b"{}", b"", connect_timeout=5)
+
+
 @pytest.mark.parametrize("policy", [AddressPolicy.PUBLIC, AddressPolicy.NODE])
 @pytest.mark.parametrize(
     "url",
@@ -326,7 +338,7 @@ async def test_metadata_addresses_are_refused_in_every_form_the_resolver_accepts
     connections = Pool(keepalive_s=30)
     try:
         with pytest.raises(Forbidden, match="link-local or a cloud metadata"):
-            await connections.post(url, "/v1/x", b"{}", b"", connect_timeout=5, addresses=policy)
+            await dial(connections, url, policy)
     finally:
         connections.close()
 
@@ -335,14 +347,7 @@ async def test_a_name_that_resolves_to_the_metadata_address_is_refused() -> None
     connections = Pool(keepalive_s=30, resolver=resolving_to("169.254.169.254"))
     try:
         with pytest.raises(Forbidden, match=r"169\.254\.169\.254"):
-            await connections.post(
-                "http://innocent.example/",
-                "/v1/x",
-                b"{}",
-                b"",
-                connect_timeout=5,
-                addresses=AddressPolicy.PUBLIC,
-            )
+            await dial(connections, "http://innocent.example/", AddressPolicy.PUBLIC)
     finally:
         connections.close()
 
@@ -353,13 +358,9 @@ async def test_loopback_is_refused_to_endpoint_rows_but_is_where_local_engines_l
         try:
             url = f"http://engine.example:{up.port}"
             with pytest.raises(Forbidden, match="loopback"):
-                await connections.post(
-                    url, "/v1/x", b"{}", b"", connect_timeout=5, addresses=AddressPolicy.PUBLIC
-                )
+                await dial(connections, url, AddressPolicy.PUBLIC)
             assert up.connections == 0  # refused before connecting
-            response = await connections.post(
-                url, "/v1/x", b"{}", b"", connect_timeout=5, addresses=AddressPolicy.NODE
-            )
+            response = await dial(connections, url, AddressPolicy.NODE)
             assert response.status == 200
             response.release()
         finally:
@@ -374,6 +375,25 @@ def test_what_each_policy_allows() -> None:
     assert address_problem("100.100.100.200", AddressPolicy.NODE) is not None
     assert address_problem("0.0.0.0", AddressPolicy.NODE) is not None
     assert address_problem("224.0.0.1", AddressPolicy.NODE) is not None
+
+
+async def test_a_remote_nodes_engine_is_never_reached_on_this_machines_loopback() -> None:
+    """A node whose agent did not connect over loopback: its address may be a name, and the
+    name must not resolve to this machine (the gateway host's own services)."""
+    assert address_problem("127.0.0.1", AddressPolicy.REMOTE_NODE) is not None
+    assert address_problem("::ffff:127.0.0.1", AddressPolicy.REMOTE_NODE) is not None
+    assert address_problem("10.0.0.5", AddressPolicy.REMOTE_NODE) is None
+    assert address_problem("169.254.169.254", AddressPolicy.REMOTE_NODE) is not None
+    async with upstream(answering(answer(b"{}"))) as up:
+        connections = Pool(keepalive_s=30, resolver=resolving_to("127.0.0.1"))
+        try:
+            with pytest.raises(Forbidden, match="loopback"):
+                await dial(
+                    connections, f"http://gpu-7.example:{up.port}", AddressPolicy.REMOTE_NODE
+                )
+        finally:
+            connections.close()
+    assert up.connections == 0
 
 
 async def test_an_upstream_redirecting_to_the_metadata_address_is_not_followed() -> None:
@@ -392,13 +412,8 @@ async def test_an_upstream_redirecting_to_the_metadata_address_is_not_followed()
     async with upstream(answering(redirect)) as up:
         connections = Pool(keepalive_s=30, resolver=recording)
         try:
-            response = await connections.post(
-                f"http://engine.example:{up.port}",
-                "/v1/x",
-                b"{}",
-                b"",
-                connect_timeout=5,
-                addresses=AddressPolicy.NODE,
+            response = await dial(
+                connections, f"http://engine.example:{up.port}", AddressPolicy.NODE
             )
             assert response.status == 302
             assert await response.read() == b""
@@ -407,3 +422,86 @@ async def test_an_upstream_redirecting_to_the_metadata_address_is_not_followed()
             connections.close()
     assert resolved == ["engine.example"]
     assert up.connections == 1 and len(up.requests) == 1
+
+
+# ---------------------------------------------------------------------- the gateway's own calls
+# Token counting and the context-length probe call upstreams too: with the engine's key and
+# under the upstream's address policy, like every relayed request.
+
+ENGINE_KEY = "engine-secret-key"
+
+
+async def test_the_context_length_probe_sends_the_engine_key() -> None:
+    """A replica's engine refuses anything without its key (the sim's --api-key, as vLLM's):
+    the probe learns the context length only if it sends the key."""
+    from agents.sim.config import SimConfig
+    from agents.sim.engine import serve
+    from gateway.relay import counting
+
+    sim = await serve(SimConfig(model="keyed", max_model_len=1234, api_key=ENGINE_KEY))
+    connections = Pool(keepalive_s=30)
+    replica = table.Upstream(
+        "replica:1", f"http://127.0.0.1:{sim.port}", key=ENGINE_KEY, addresses="node"
+    )
+    try:
+        counting.learn_context_length(connections, replica, "keyed")
+        await asyncio.gather(*counting._learning)
+        assert counting.context_length([replica.base_url], "keyed") == 1234
+    finally:
+        counting._contexts.clear()
+        connections.close()
+        await sim.close()
+
+
+async def test_a_tokenize_call_sends_the_engine_key(pool: Pool) -> None:
+    from gateway.relay import counting
+
+    async with upstream(answering(answer(b'{"count":3,"tokens":[1,2,3]}'))) as up:
+        replica = table.Upstream("replica:2", up.url, key=ENGINE_KEY, addresses="node")
+        try:
+            assert await counting.Tokenizer(pool, replica, "m").count(text="abc") == 3
+        finally:
+            counting._dialects.clear()
+    assert up.requests and all(
+        b"\r\nAuthorization: Bearer %s\r\n" % ENGINE_KEY.encode() in r for r in up.requests
+    )
+
+
+async def test_the_probe_of_an_upstream_resolving_to_a_forbidden_address_is_refused() -> None:
+    """An Endpoint row's name that resolves to this machine: the relay refuses to connect,
+    and so must the probe, before a packet is sent."""
+    from gateway.relay import counting
+
+    async with upstream(answering(answer(b'{"data":[{"id":"m","max_model_len":99}]}'))) as up:
+        connections = Pool(keepalive_s=30, resolver=resolving_to("127.0.0.1"))
+        endpoint = table.Upstream(
+            "endpoint:e", f"http://engine.example:{up.port}", addresses="public"
+        )
+        try:
+            counting.learn_context_length(connections, endpoint, "m")
+            await asyncio.gather(*counting._learning)
+        finally:
+            counting._contexts.clear()
+            connections.close()
+    assert up.connections == 0
+    assert counting.context_length([endpoint.base_url], "m") is None
+
+
+async def test_a_connection_opened_for_a_node_is_not_reused_for_an_endpoint_row() -> None:
+    """A connection is checked against the policy once, when it is opened: one opened for a
+    replica (loopback allowed) must not carry an Endpoint row's request (loopback refused)
+    to the same origin."""
+    async with upstream(answering(answer(b"{}"))) as up:
+        connections = Pool(keepalive_s=30, resolver=resolving_to("127.0.0.1"))
+        url = f"http://engine.example:{up.port}"
+        try:
+            response = await dial(connections, url, AddressPolicy.NODE)
+            response.release()
+            with pytest.raises(Forbidden, match="loopback"):
+                await dial(connections, url, AddressPolicy.PUBLIC)
+            # Under its own policy the connection is still kept and reused.
+            response = await dial(connections, url, AddressPolicy.NODE)
+            response.release()
+        finally:
+            connections.close()
+    assert up.connections == 1 and len(up.requests) == 2

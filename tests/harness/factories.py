@@ -110,8 +110,10 @@ def make_node(
     heartbeat_age_s: float = 1.0,
     **fields: Any,
 ) -> Node:
-    """A node whose agent reported ``gpus`` as ``(memory total MiB, memory used MiB)``."""
-    fields.setdefault("addresses", ["127.0.0.1"])
+    """A node whose agent reported ``gpus`` as ``(memory total MiB, memory used MiB)``;
+    without ``addresses``, the local agent's (loopback, its stream over loopback too)."""
+    if "addresses" not in fields:
+        fields.update(addresses=["127.0.0.1"], connected_over_loopback=True)
     fields.setdefault("agent_version", "0.1.0")
     node = Node.objects.create(
         name=name,

@@ -91,3 +91,30 @@ def execute_now(sql: str, params: tuple[Any, ...] = ()) -> Any:
     with _connect(autocommit=True) as conn:
         cursor = conn.execute(sql, params)
         return cursor.fetchone() if cursor.description else None
+
+
+class StoreCut:
+    """The calling thread's default connection pointed at a store that cannot be reached, for
+    real, from :meth:`cut` until :meth:`restore`: on PostgreSQL a closed port on loopback
+    (connection refused), on SQLite a file in a folder that does not exist (unable to open
+    database file)."""
+
+    def __init__(self) -> None:
+        self._saved: dict[str, Any] | None = None
+
+    def cut(self) -> None:
+        if self._saved is None:
+            self._saved = dict(connection.settings_dict)
+        connection.close()
+        if connection.vendor == "postgresql":
+            connection.settings_dict.update(HOST="127.0.0.1", PORT="1")
+        else:
+            connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
+
+    def restore(self) -> None:
+        if self._saved is None:
+            return
+        connection.close()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(self._saved)
+        self._saved = None
