@@ -15,8 +15,8 @@ LLAMA_STAMP := $(VENV)/.installed-llamacpp
 typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
 # The suite starts hundreds of Python processes. Where the environment says not to write
 # bytecode (PYTHONDONTWRITEBYTECODE=1), each of them compiled our modules again as it started
-# (0.25 CPU-s a process, measured here), and each pytest process the test modules; the passes
-# keep Python's caches (__pycache__, ignored by git).
+# (docs/decisions.md, 'bytecode caches in the test passes'), and each pytest process the test
+# modules; the passes keep Python's caches (__pycache__, ignored by git).
 pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres: export PYTHONDONTWRITEBYTECODE =
 
 .PHONY: proto run test venv audit lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
@@ -43,9 +43,9 @@ $(TEST_STAMP): $(RUN_STAMP) requirements-dev.txt
 
 # llama-cpp-python (the real llama.cpp server in the agent and usage tests) from source: its
 # dependencies are pinned in requirements-dev.txt and already installed. The tests serve a tiny
-# text model, so the multimodal library is not built and -O1 is enough (half the compile time),
-# and neither is llama.cpp's "common" library, which the bindings never load (half of what is
-# left: 250 CPU-seconds here instead of 511; tests/harness/llama_cpp_build.cmake says how).
+# text model, so the multimodal library is not built and -O1 is enough, and neither is
+# llama.cpp's "common" library, which the bindings never load (tests/harness/llama_cpp_build.cmake
+# says how; what each saves: docs/decisions.md, 'llama.cpp's build for the tests').
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS_RELEASE=-O1 -DCMAKE_CXX_FLAGS_RELEASE=-O1 \
   -DCMAKE_PROJECT_llama.cpp_INCLUDE_BEFORE=$(CURDIR)/tests/harness/llama_cpp_build.cmake
 # The source distribution is hash-checked like every other file (its build tools, installed by
@@ -75,7 +75,7 @@ audit: $(RUN_STAMP)
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	# Which app may import which: the contracts in pyproject.toml (README: how the code is layered).
+	# Which app may import which: the contracts in pyproject.toml (docs/code.md: how the code is layered).
 	$(VENV)/bin/lint-imports --no-logo
 
 typecheck: $(TEST_STAMP)

@@ -1,10 +1,10 @@
 """The held-streams load generator: one socket per stream, read by a bare protocol.
 
 1,000 streams at 20 ms between tokens are 50,000 events a second into the load generator.
-Read through aiohttp on the stock event loop, each event cost the generator about 12 µs of
-CPU on a two-core machine; with the engine on the same core, the engine called directly (L0)
-stalled for seconds, and the figure measured the load generator, not the gateway. Here a
-``asyncio.Protocol`` sees the bytes as they come and only timestamps and counts them.
+Read through aiohttp on the stock event loop, the generator's own CPU stalled the engine on its
+core, and the figure measured the load generator, not the gateway (docs/decisions.md, 'the
+held-streams load generator'). Here a ``asyncio.Protocol`` sees the bytes as they come and
+only timestamps and counts them.
 """
 
 from __future__ import annotations

@@ -174,8 +174,8 @@ async def knee(
     its own one-client p99, for a target in ``own_floor`` that is far slower than L0 even
     unloaded: LiteLLM's proxy) and under 0.1% errors. A target is dropped after two steps in
     a row that fail, not one: on a shared machine one scheduling hiccup in a step's few
-    seconds puts its p99 over the line at any rate (seen: L0 itself at 5 to 9 ms p99 at
-    50 rps, and the floor relay's knee read as 25 rps), and one such step ended the climb."""
+    seconds puts its p99 over the line at any rate, and one such step ended the climb
+    (docs/decisions.md, 'the throughput climb')."""
     names = [name for name in KNEE_TARGETS if name in stack.targets]
     passed: dict[str, int] = dict.fromkeys(names, 0)
     failed_in_a_row: dict[str, int] = dict.fromkeys(names, 0)

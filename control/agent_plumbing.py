@@ -37,8 +37,8 @@ def store_threads() -> int:
     connections but the two that the heartbeat writer and the credential checks keep: a
     thousand agents reconnecting at once queue behind one thread for tens of seconds, and the
     store has cores of its own; and a handshake must not wait for a connection behind them
-    (measured at 1,000 nodes: with every connection busy, five handshakes waited past the
-    pool's timeout and were answered "store unavailable"). SQLite keeps one writer anyway."""
+    (docs/decisions.md, 'threads for the streams' store work'). SQLite keeps one writer
+    anyway."""
     pool = connections["default"].settings_dict.get("OPTIONS", {}).get("pool")
     if isinstance(pool, dict):
         return max(1, int(pool.get("max_size", 3)) - 2)
@@ -65,8 +65,8 @@ def in_store_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]:
 
 def in_heartbeat_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R]]:
     """``func`` made awaitable on a thread of its own: the heartbeat write must never wait
-    behind a queue of hellos and desired states (measured at 1,000 nodes: it waited more
-    than the unreachable threshold, and live nodes flapped to unreachable)."""
+    behind a queue of hellos and desired states, or live nodes flap to unreachable
+    (docs/decisions.md, 'threads for the streams' store work')."""
     wrapped: Callable[..., Awaitable[_R]] = database_sync_to_async(
         func, thread_sensitive=False, executor=_executor("heartbeats", 1)
     )
@@ -77,11 +77,10 @@ def in_credentials_thread(func: Callable[..., _R]) -> Callable[..., Awaitable[_R
     """``func`` made awaitable on a thread of its own for credential checks (a handshake's
     token and its count of the node's streams, a stream's periodic "still valid?"): one
     indexed read or one-row upsert each, which must not queue behind the hellos and desired
-    states of other streams. Measured at 1,000 nodes: after a
-    control plane was killed, 500 handshakes queued behind 1,500 pieces of session work on the
-    store threads, hundreds passed the agents' 10 s opening timeout, and each retry added more
-    work (the fleet took 42 to 60 s to be back). The thread waits for a pool connection like
-    any other; it holds one only for one statement."""
+    states of other streams: queued there in a reconnect storm, handshakes pass the agents'
+    opening timeout and each retry adds more work (docs/decisions.md, 'threads for the
+    streams' store work'). The thread waits for a pool connection like any other; it holds one
+    only for one statement."""
     wrapped: Callable[..., Awaitable[_R]] = database_sync_to_async(
         func, thread_sensitive=False, executor=_executor("credentials", 1)
     )
@@ -110,8 +109,9 @@ class NodeRowReader:
     its node's row, and the requests made within :attr:`window` seconds share one query.
 
     Each stream re-checks its credential and its node's revision every resync interval; read
-    one by one that was, at 1,000 nodes, two queries per stream per interval queued on the
-    store threads (the largest part of their work while 500 agents reconnected)."""
+    one by one that was two queries per stream per interval queued on the store threads, the
+    largest part of their work in a reconnect storm (docs/decisions.md, 'resyncs read
+    together')."""
 
     window = 0.05
 

@@ -32,10 +32,9 @@ SESSION_TAKEOVER: Final = "session.takeover"
 
 
 # The Redis channel layer takes a pool connection for each call in flight, and redis-py's pool
-# refuses a call past its 100 connections (MaxConnectionsError) instead of queueing it. Measured
-# at 1,000 nodes: the agents connecting to one web process made 500 calls at once, and every
-# stream past the 100th ran as if the layer were down (no nudges, a rejoin each tick, the
-# database polled instead). Calls of the streams (WebSocket and gRPC) beyond this many
+# refuses a call past its 100 connections (MaxConnectionsError) instead of queueing it: a
+# reconnect storm's calls past that ran as if the layer were down (docs/decisions.md,
+# 'channel-layer calls in flight'). Calls of the streams (WebSocket and gRPC) beyond this many
 # wait their turn.
 LAYER_CALLS_IN_FLIGHT = 32
 _layer_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
@@ -78,8 +77,8 @@ def batched() -> Iterator[None]:
     """Nudges committed inside the block go out together when it ends, each node's once.
 
     A tick that places hundreds of replicas would otherwise open the channel layer once per
-    placement (from sync code, each send runs an event loop and a connection of its own: a
-    few milliseconds each, measured at a thousand nodes). They leave at most one tick late;
+    placement (from sync code, each send runs an event loop and a connection of its own:
+    docs/decisions.md, 'placing many replicas in one tick'). They leave at most one tick late;
     a nudge is a hint, the desired state itself is read from the store."""
     pending: dict[tuple[int, str], dict[str, Any]] = {}
     _batch.pending = pending

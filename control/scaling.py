@@ -66,8 +66,9 @@ class Fleet:
             if held.replica_id not in ignoring:
                 gpus[held.node].update(held.gpu_indices)
                 ports[held.node].add(held.port)
-        # A node that holds nothing is returned as it is: at a thousand nodes, copying every
-        # one for every model placed was most of a placing tick's own time.
+        # A node that holds nothing is returned as it is: copying every one for every model
+        # placed was most of a placing tick (docs/decisions.md, 'placing many replicas in one
+        # tick').
         return [
             replace(
                 node,

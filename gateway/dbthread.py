@@ -3,8 +3,9 @@
 ``/v1`` never queries on the event loop: key lookups on a cache miss, the routing table,
 limit counters and usage rows run through ``sync_to_async`` in one long-lived thread, outside
 Django's request cycle. Django's ``close_old_connections()`` would close that thread's
-connection on every call under the default ``CONN_MAX_AGE=0`` (measured: 3-4 ms to reconnect
-to SQLite each time), so the connection is kept and dropped only once it has failed.
+connection on every call under the default ``CONN_MAX_AGE=0``, a reconnect each time
+(docs/decisions.md, 'the database thread's connection'), so the connection is kept and dropped
+only once it has failed.
 """
 
 from __future__ import annotations

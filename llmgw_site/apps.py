@@ -19,7 +19,7 @@ class SiteConfig(AppConfig):
 def send_task(name: str, *, expires: float, retry: bool) -> None:
     """Send the Celery task ``name`` through the site's app."""
     # Imported here: most web processes never send one (only a request for a model with no
-    # ready replica does), and Celery is a fifth of a web process's start.
+    # ready replica does), and importing Celery is a large part of a web process's start.
     from llmgw_site.celery import app  # noqa: PLC0415
 
     app.send_task(name, expires=expires, retry=retry)

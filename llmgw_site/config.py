@@ -17,9 +17,9 @@ DEFAULT_SHUTDOWN_GRACE = 30.0
 # how far behind a busy client reads, so that the client drops the connection first and never
 # sends a request into the server's close. The server counts idle from the moment it wrote an
 # answer's end; the client counts its 5 s from the moment it read it, and a client starved of
-# CPU reads seconds later. (At 1 s, then at 10 s, a loaded machine showed one such request
-# error in a rolling restart of 200 streams, whose client read the streams' first bytes 3-4 s
-# after they were sent.) Behind a balancer whose idle timeout is known, it can be shorter.
+# CPU reads seconds later (shorter lingers were measured too short: docs/decisions.md, 'idle
+# kept-alive connections at a stop'). Behind a balancer whose idle timeout is known, it can be
+# shorter.
 DEFAULT_IDLE_LINGER = 20.0
 
 

@@ -114,14 +114,14 @@ X_FRAME_OPTIONS = "DENY"
 # Daphne's app does one thing: `runserver` (development) becomes its ASGI server, so the agents'
 # WebSockets work there too. Installed for that command only: it imports Twisted at start, and
 # every other process (the uvicorn web processes, the worker, beat, each command) would pay
-# a third of a second of CPU and 16 MB of memory for it (70 MB after setup instead of 86).
+# CPU and memory for it (docs/decisions.md, 'daphne only for runserver').
 DEVELOPMENT_SERVER = sys.argv[1:2] == ["runserver"]
 
 INSTALLED_APPS = [
     *(["daphne"] if DEVELOPMENT_SERVER else []),  # first, so that its `runserver` wins
     # The admin without autodiscovery at start: llmgw_site.urls registers the ModelAdmins when
     # the site's URLconf first loads, so a web process that serves only /v1 never imports them
-    # (about a tenth of its start, measured in the commit that made this change).
+    # (a shorter start: docs/decisions.md, 'admin registered when the site's URLconf loads').
     "django.contrib.admin.apps.SimpleAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -212,9 +212,10 @@ elif _database["ENGINE"] in {
     }
     # A web process holds hundreds of agent streams, and Django closes a connection after
     # each piece of sync work: without a pool every heartbeat written and every stream opened
-    # costs a new server backend (measured at 1,000 nodes: handshakes timed out and nodes
-    # went unreachable). The pool keeps a few connections open and bounds them: at most
-    # LLMGW_DB_POOL_MAX per process (0: no pool, a connection per unit of work).
+    # costs a new server backend (at fleet scale handshakes timed out and nodes went
+    # unreachable: docs/decisions.md, 'store connection pool'). The pool keeps a few
+    # connections open and bounds them: at most LLMGW_DB_POOL_MAX per process (0: no pool, a
+    # connection per unit of work).
     _pool_max = _read(env_int, "LLMGW_DB_POOL_MAX", 5, minimum=0)
     if _pool_max:
         _database["OPTIONS"]["pool"] = {

@@ -11,17 +11,9 @@ same Prometheus names (``vllm:num_requests_running`` ...).
 Why a raw ``asyncio.Protocol`` HTTP/1.1 server and no framework: the benchmark measures what
 llmgw adds over calling the engine directly, so the engine must be far faster than llmgw.
 Instant requests are answered inside ``data_received`` without creating a task; only paced,
-queued or faulty requests get one. Measured on the shared 2-core development VM (CPython 3.11,
-default event loop, no uvloop), the server pinned to one core and ``wrk -t1 -c32`` (keep-alive,
-one request in flight per connection) on the other: up to 14,500 non-streamed chat completions
-per second, the server spending 57-65 us of CPU on each (15,000-17,500/s for a whole core), and
-up to 12,500 streamed ones per second (16 tokens and the usage chunk; 70-115 us of CPU each).
-Wall-clock rates swung from 6,800/s to 14,500/s with other builds on the machine; the CPU time
-per request is the steady figure. The prefix cache adds its rendering, hashing and block
-bookkeeping to every request: counted by valgrind, 95,000 to 153,000 instructions for a short
-non-streamed chat (257,000 to 314,000 streamed), 0.69 to 1.54 million for a 1,500-word one
-(splitting its words was 0.52 million already); measured side by side, about 10-20 us more of
-a core's time for a short chat.
+queued or faulty requests get one. The prefix cache adds its rendering, hashing and block
+bookkeeping to every request. What it answers a second and what each request and the cache
+cost in CPU were measured: docs/decisions.md, 'the simulated engine'.
 
 Token accounting is a pure function of the request, so tests can predict it: a prompt costs
 its whitespace-separated words plus ``MESSAGE_OVERHEAD_TOKENS`` per chat message (and the

@@ -74,8 +74,8 @@ class ReplicaView:
 
 @dataclass
 class NodeView:
-    """What a tick needs of a node, read as plain values (no model instances: at a thousand
-    nodes and eight thousand GPUs, building those was most of a tick)."""
+    """What a tick needs of a node, read as plain values (no model instances: at fleet scale,
+    building those was most of a tick; docs/decisions.md, 'the tick's snapshot')."""
 
     pk: int
     name: str
@@ -85,7 +85,8 @@ class NodeView:
     port_max: int | None
     # The JSON columns as the store sent them, decoded only when a tick needs one: placing
     # reads labels and weight reports, settling removals a non-empty removal list. Decoding
-    # all three for a thousand nodes every tick was a third of a steady tick's snapshot.
+    # all three for every node every tick was a large part of the snapshot (docs/decisions.md,
+    # 'the tick's snapshot').
     labels_json: str = "{}"
     weights_report_json: str = "[]"
     remove_weights_json: str = "[]"
@@ -175,8 +176,8 @@ def read_nodes() -> dict[int, NodeView]:
 def read_catalog() -> tuple[dict[int, ServedModel], dict[int, Profile], dict[int, list[ScaleUnit]]]:
     """The models, every profile, and each model's scaling units: four queries, and each
     profile built once. (``prefetch_related`` made a queryset per model and relation, and
-    ``select_related`` decoded the default profile's JSON once per model: at 500 models that
-    was 40% of a steady tick.)"""
+    ``select_related`` decoded the default profile's JSON once per model: at fleet scale a
+    large part of a steady tick; docs/decisions.md, 'the tick's snapshot'.)"""
     rows_of_models = list(ServedModel.objects.order_by("pk"))
     through = ServedModel.profiles.through.objects.values_list("servedmodel_id", "profile_id")
     listings = list(through)

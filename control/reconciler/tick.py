@@ -220,7 +220,8 @@ class ScalingView:
     @cached_property
     def fleet(self) -> scaling.Fleet:
         """Built when a model first needs it (to place, or to evict for): most ticks place
-        nothing, and at a thousand nodes building it was a tenth of a steady tick."""
+        nothing, and building it every tick was a measurable share of a steady one
+        (docs/decisions.md, 'the tick's snapshot')."""
         return fleet_of(self.snapshot)
 
     @classmethod

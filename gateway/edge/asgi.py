@@ -247,8 +247,8 @@ async def imported(module: str) -> None:
     if module not in _imported:
         _imported.add(module)
         # The process froze what it loaded at start (gateway.routing.upstreams); what came now is
-        # frozen too, so that full collections do not scan it (about 60,000 objects for the
-        # site's URLconf: some 30 ms a collection here, a stall for every request in flight).
+        # frozen too, so that full collections do not scan it: a scan is a stall for every
+        # request in flight (docs/decisions.md, 'the heap frozen out of the cyclic collector').
         gc.freeze()
 
 

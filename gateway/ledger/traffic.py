@@ -90,11 +90,12 @@ def _settled_rows(start: datetime, settled_until: datetime) -> list[dict[str, An
     """The minutes in [start, settled_until), which are over: each aggregated once, when it
     ends, and kept in the cache for as long as it is in the window.
 
-    Every open dashboard polls every few seconds, and at 10 million rows an hour's aggregate
-    took about a second on PostgreSQL: redone whenever the window moved, that was a one-second
-    poll twice a minute. Now a poll aggregates only the minutes it finds no entry for: the one
-    that just ended, or the whole hour in a process that has not seen it yet. Rows replayed
-    late from a usage journal start a new generation of entries (:func:`forget_settled`).
+    Every open dashboard polls every few seconds, and an hour's aggregate grows with traffic:
+    redone whenever the window moved, it was a slow poll twice a minute (docs/decisions.md,
+    'traffic aggregated per finished minute'). Now a poll aggregates only the minutes it finds
+    no entry for: the one that just ended, or the whole hour in a process that has not seen it
+    yet. Rows replayed late from a usage journal start a new generation of entries
+    (:func:`forget_settled`).
     """
     generation = cache.get(GENERATION_KEY, 0)
     minutes = [start + MINUTE * i for i in range((settled_until - start) // MINUTE)]

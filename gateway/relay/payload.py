@@ -9,8 +9,8 @@ again on the way back, ``SseFilter``); and where a token limit applies, the max-
 are bound to what was reserved (``with_output_cap``), so no engine can produce more than was
 admitted.
 
-JSON is parsed with orjson (request bodies, usage events), measured at a fifth of the standard
-library's CPU on a chat body. orjson refuses a few documents that Python's json accepts
+JSON is parsed with orjson (request bodies, usage events), for its lower CPU per body
+(docs/decisions.md, 'orjson'). orjson refuses a few documents that Python's json accepts
 (``NaN``, lone surrogates, non-UTF-8 encodings) and reads integers past 64 bits as floats; on
 a refusal, or such a float where an integer is read, the standard library decides, so a
 client sees exactly the answers it saw before.
@@ -34,7 +34,7 @@ _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _USAGE_KEY = b'"usage"'
 # With include_usage on, engines put "usage":null on every chunk; only an object is worth a
-# parse (measured: parsing every event was three quarters of the relay's CPU per event).
+# parse (docs/decisions.md, 'usage events parsed only when they carry usage').
 _USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _DONE = b"[DONE]"

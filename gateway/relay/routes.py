@@ -20,7 +20,7 @@ class RelayRoute:
     tag: str
     # The documented bodies, by their class names in ``gateway.edge.schemas``: documented only
     # (bodies are forwarded as bytes, never validated), so the request path never imports
-    # ninja or pydantic (a third of a web process's start).
+    # ninja or pydantic (docs/decisions.md, 'Celery, ninja and pydantic imported on first use').
     request: str
     response: str
     streams: bool  # may answer ``"stream": true`` with server-sent events

@@ -12,8 +12,9 @@ so it stands for everything before it too. Only full blocks count, as in the eng
 are the same in every process (no per-process hash seed), which lets processes that never talk
 agree on where a new prefix goes.
 
-Pure: plain data in, plain data out, and cheap (the request path's CPU budget for a 32,000
-character prompt is 30 µs, all of routing included; ``make bench`` measures it).
+Pure: plain data in, plain data out, and cheap: it runs on every request's prompt, and
+``make bench`` holds the whole routing decision to a CPU goal (docs/decisions.md, 'prompt
+block hash').
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ _SYSTEM_ROLES = frozenset({"system", "developer"})
 _ROLE_END = b"\x1e"
 _MESSAGE_END = b"\x1f"
 _EMPTY: tuple[int, ...] = ()
-# XXH3: ~20 times zlib.crc32's speed here (a 32,000-character prompt in 1,024-byte blocks:
-# 6.1 µs against 12.5, measured side by side), and 64 bits, so keys of different prefixes
-# practically never meet.
+# XXH3: faster than zlib.crc32 here (docs/decisions.md, 'prompt block hash'), and 64 bits, so
+# keys of different prefixes practically never meet.
 _HASH64 = xxhash.xxh3_64_intdigest
 
 
@@ -60,7 +60,7 @@ def blocks_of(kind: str, data: dict[str, Any], block_bytes: int, max_blocks: int
     ``kind`` is the relay route's kind. Embeddings and rerank requests keep no KV cache between
     requests, and a body whose prompt is not where the API puts it has no blocks: both are
     routed by load alone. At most ``max_blocks`` are keyed, so a huge prompt costs no more
-    than that many blocks' CRC (its tail still shares or not; it is just not told apart).
+    than that many blocks' hashes (its tail still shares or not; it is just not told apart).
     """
     try:
         written = _written(kind, data)

@@ -12,7 +12,8 @@ requests in flight per replica (as a heartbeat, whenever the set of busy replica
 the last report, and at once when a replica idle for a while goes busy) and when each replica
 last finished one, so a replica is never scaled down under a request. A report alone does not
 reload the table: at one request at a time, every request flips its replica busy and idle, and
-reloading on each flip cost more CPU than the request itself.
+reloading on each flip cost more CPU than the request itself (docs/decisions.md, 'routing table
+reloads').
 """
 
 from __future__ import annotations
@@ -249,9 +250,9 @@ class Upstreams:
             if not self._first_load.done():
                 self._first_load.set_result(None)
                 # Everything the process keeps is imported and loaded by now. Freezing it takes
-                # it out of the cyclic collector's scans: unfrozen, a full collection of a
-                # web process took 70-400 ms (measured under `make bench`), stalling every
-                # request in flight; frozen, collections only scan what requests allocate.
+                # it out of the cyclic collector's scans: unfrozen, a full collection stalls
+                # every request in flight; frozen, collections only scan what requests allocate
+                # (docs/decisions.md, 'the heap frozen out of the cyclic collector').
                 gc.freeze()
             if any(self.waiting.values()):
                 reload_at = min(
@@ -270,9 +271,9 @@ class Upstreams:
     def _report_shortly(self) -> None:
         """Write stamps and in-flight counts ``BUSY_REPORT_DELAY_S`` from now (on the loop).
         Not at once: the request that made the replica busy is opening its upstream then, and
-        the report's queries hold the GIL in the database thread while its first bytes arrive
-        (measured under ``make bench``: 1-3 ms more to the first token of the first stream
-        after an idle spell). A little later they overlap the engine's own work instead."""
+        the report's queries hold the GIL in the database thread while its first bytes arrive,
+        delaying the first token after an idle spell (docs/decisions.md, 'busy report delay').
+        A little later they overlap the engine's own work instead."""
         loop, wake = self._loop, self._wake
         if loop is None or wake is None or loop.is_closed():
             return
