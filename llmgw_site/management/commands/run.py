@@ -357,10 +357,10 @@ class Command(BaseCommand):
                 launcher.Child("beat", celery_argv("beat", "--schedule", schedule), env)
             )
         if grpc_address and not router_only:
-            manage = str(Path(settings.BASE_DIR) / "manage.py")
             grpc_host, grpc_port = grpc_address
             where = f"[{grpc_host}]:{grpc_port}" if ":" in grpc_host else f"{grpc_host}:{grpc_port}"
-            argv = [sys.executable, manage, "serve_agents_grpc", "--listen", where]
+            # manage.py's commands, in a checkout and where the wheel is installed alike.
+            argv = [sys.executable, "-m", "llmgw_site", "serve_agents_grpc", "--listen", where]
             children.append(launcher.Child("agent-grpc", argv, env))
         if not (no_agent or router_only):
             agent_dir = settings.VAR_DIR / "agent"
