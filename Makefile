@@ -19,7 +19,7 @@ typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite 
 # modules; the passes keep Python's caches (__pycache__, ignored by git).
 pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres: export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: proto run test venv audit lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
+.PHONY: proto dist run test venv audit lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -155,6 +155,15 @@ bench-agent-servers: $(TEST_STAMP)
 # flame graphs in var/profile/. py-spy is not a dependency: pip install py-spy first.
 profile: $(RUN_STAMP)
 	$(PY) -m bench.profile
+
+# Two wheels and their source archives in dist/ (docs/install.md): llmgw, the whole product
+# (`pip install` or `pipx install` it: its `llmgw` command is manage.py), and llmgw-agent, the
+# node program alone (agents/pyproject.toml). `build` comes with the test tools; each build
+# installs the backend (hatchling) into a throwaway environment of its own.
+dist: $(TEST_STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m build --outdir dist agents
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*

@@ -1,22 +1,8 @@
 #!/usr/bin/env python
-"""llmgw's command line: `python manage.py help` lists what operators can script."""
+"""llmgw's command line in a checkout: `python manage.py help` lists what operators can script
+(installed, the same is the `llmgw` command: llmgw_site/__main__.py)."""
 
-import os
-import sys
-
-
-def main() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
-    from django.core.exceptions import ImproperlyConfigured
-    from django.core.management import execute_from_command_line
-
-    try:
-        execute_from_command_line(sys.argv)
-    except ImproperlyConfigured as exc:
-        # Configuration errors name the variable; a traceback would only bury that line.
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
+from llmgw_site.__main__ import main
 
 if __name__ == "__main__":
     main()

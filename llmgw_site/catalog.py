@@ -4,7 +4,15 @@ Import is idempotent: rows are matched by their natural key (a profile's and a m
 ``name``, an endpoint's ``id``), only fields that differ are written, and importing the same
 file twice changes nothing the second time. The whole file is validated before anything is
 written, and written in one transaction, so a bad file leaves the catalog as it was. Nothing
-absent from the file is deleted: an import adds and updates, it does not prune.
+absent from the file is deleted: an import adds and updates, it does not prune. A file is YAML,
+or JSON when its name ends in ``.json`` (the admin API's export); ``manage.py import_catalog``
+and ``manage.py run --catalog`` read it with :func:`import_file`.
+
+Imports may race: control planes starting together each apply the same ``--catalog`` file.
+The unique constraints arbitrate (a profile's and a model's name, an endpoint's id, a model's
+profile): the import whose insert meets a row another committed meanwhile loses its whole
+transaction and runs again over that row, which it now finds; so racers end with the rows
+one import alone would have made, and none fails.
 
 Fields come from the models' own metadata (every editable column), so a field added to a model
 is exported and imported without touching this module. A profile is checked as the agent would
@@ -21,19 +29,25 @@ control plane's, static endpoints the gateway's.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 from django.core.exceptions import ValidationError
-from django.db import models, transaction
+from django.db import IntegrityError, models, transaction
 
 from control.models import Profile, ProfileScale, ServedModel
 from control.profiles import MaskedValue, masked_env, unmasked_env, wire_problems
 from gateway.models import Endpoint
 
 FORMAT_VERSION = 1
+# An import that lost a race for a row runs again over the winner's rows, where the same file
+# inserts nothing more; more tries only serve racers applying different files.
+IMPORT_ATTEMPTS = 5
 _M = TypeVar("_M", bound=models.Model)
 
 
@@ -231,6 +245,15 @@ def import_data(data: object, *, dry_run: bool = False) -> ImportResult:
         raise CatalogError(
             f"version {data.get('version')!r} is not {FORMAT_VERSION}", field="version"
         )
+    for _ in range(IMPORT_ATTEMPTS - 1):
+        # Another import committed a row this one was inserting (the module's docstring): this
+        # transaction is gone, and the next finds that row.
+        with contextlib.suppress(IntegrityError):
+            return _import_once(data, dry_run=dry_run)
+    return _import_once(data, dry_run=dry_run)
+
+
+def _import_once(data: Mapping[str, Any], *, dry_run: bool) -> ImportResult:
     result = ImportResult()
     with transaction.atomic():
         _import_profiles(_entries(data, "profiles"), result)
@@ -246,6 +269,19 @@ def import_yaml(text: str, *, dry_run: bool = False) -> ImportResult:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise CatalogError(f"not valid YAML: {exc}") from None
+    return import_data(data, dry_run=dry_run)
+
+
+def import_file(path: Path, *, dry_run: bool = False) -> ImportResult:
+    """Import the catalog file at ``path``: JSON when its name ends in ``.json``, else YAML.
+    A file that cannot be read raises ``OSError``, for the caller to name as it names it."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() != ".json":
+        return import_yaml(text, dry_run=dry_run)
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise CatalogError(f"not valid JSON: {exc}") from None
     return import_data(data, dry_run=dry_run)
 
 

@@ -7,7 +7,7 @@ Pure functions over a mapping: tests pass a dict instead of touching ``os.enviro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 # How long a stopping web process lets requests in flight finish (LLMGW_SHUTDOWN_GRACE).
@@ -142,3 +142,27 @@ def parse_static_endpoints(env: Mapping[str, str], name: str) -> tuple[StaticEnd
         seen.add(endpoint_id)
         endpoints.append(StaticEndpoint(endpoint_id, url.rstrip("/"), models))
     return tuple(endpoints)
+
+
+def static_endpoints_with_flags(
+    env: Mapping[str, str], name: str, flag: str, values: Iterable[str]
+) -> tuple[StaticEndpoint, ...]:
+    """The endpoints of the variable ``name`` and of each ``flag`` value together: they add up
+    (the variable's first), and an id given twice, in either or across both, is refused naming
+    where each came from. A flag value has the variable's format."""
+    endpoints = list(parse_static_endpoints(env, name))
+    origin = dict.fromkeys((e.id for e in endpoints), name)
+    for value in values:
+        for endpoint in parse_static_endpoints({flag: value}, flag):
+            if endpoint.id in origin:
+                also = "" if origin[endpoint.id] == flag else f" (it is in {name} too)"
+                raise ConfigError(f"{flag}: endpoint id {endpoint.id!r} appears twice{also}")
+            origin[endpoint.id] = flag
+            endpoints.append(endpoint)
+    return tuple(endpoints)
+
+
+def static_endpoints_text(endpoints: Iterable[StaticEndpoint]) -> str:
+    """``endpoints`` written back in the variable's format (:func:`parse_static_endpoints`
+    reads it back to the same)."""
+    return " ".join(f"{e.id}={e.url}={','.join(e.models)}" for e in endpoints)

@@ -42,7 +42,20 @@ owner_only.restrict_umask()
 
 ENV = os.environ
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(env_str(ENV, "LLMGW_VAR_DIR", str(BASE_DIR / "var")))
+# templates/ and static/ sit at the top of a checkout; the llmgw wheel carries them inside this
+# package, in share/ (pyproject.toml), so an installed llmgw finds them from any directory.
+_PACKAGED_FILES = Path(__file__).resolve().parent / "share"
+_INSTALLED = _PACKAGED_FILES.is_dir()
+SITE_FILES_DIR = _PACKAGED_FILES if _INSTALLED else BASE_DIR
+# The store, the secret material and the journals: var/ in a checkout (where `make run` keeps
+# them); for an installed llmgw, this user's data folder (XDG_DATA_HOME), one store whatever
+# directory `llmgw run` or `llmgw migrate` is started from. LLMGW_VAR_DIR says elsewhere.
+if env_str(ENV, "LLMGW_VAR_DIR", ""):
+    VAR_DIR = Path(ENV["LLMGW_VAR_DIR"])
+elif _INSTALLED:
+    VAR_DIR = Path(env_str(ENV, "XDG_DATA_HOME", "") or Path.home() / ".local/share") / "llmgw"
+else:
+    VAR_DIR = BASE_DIR / "var"
 VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 LLMGW_VERSION = "0.1.0"
@@ -159,7 +172,7 @@ ASGI_APPLICATION = "llmgw_site.asgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [SITE_FILES_DIR / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -498,7 +511,7 @@ TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
 STATIC_URL = "static/"
-STATICFILES_DIRS = [BASE_DIR / "static"]
+STATICFILES_DIRS = [SITE_FILES_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "static"
 LOGIN_URL = "/admin/login/"
 

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import threading
+from pathlib import Path
+
 import pytest
 import yaml
+from django.db import connection
 
 from control import profiles
 from control.models import Profile, ServedModel
 from gateway.models import Endpoint
 from llmgw_site import catalog
-from llmgw_site.catalog import CatalogError
+from llmgw_site.catalog import CatalogError, ImportResult
+from tests.harness.store import execute_now, table_locked
+from tests.harness.waits import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -191,3 +198,63 @@ def test_a_models_context_length_round_trips_and_must_be_positive() -> None:
     with pytest.raises(CatalogError, match="context_length"):
         catalog.import_yaml(with_context.replace("context_length: 8192", "context_length: 0"))
     assert ServedModel.objects.get().context_length == 8192
+
+
+def test_a_json_file_imports_as_the_same_catalog_in_yaml_does(tmp_path: Path) -> None:
+    as_json = tmp_path / "catalog.json"
+    as_json.write_text(json.dumps(yaml.safe_load(CATALOG), indent="\t"))  # tabs: not YAML
+    assert len(catalog.import_file(as_json).created) == 4
+    as_yaml = tmp_path / "catalog.yaml"
+    as_yaml.write_text(CATALOG)
+    assert len(catalog.import_file(as_yaml).unchanged) == 4
+    as_json.write_text('{"models": [')
+    with pytest.raises(CatalogError, match="not valid JSON"):
+        catalog.import_file(as_json)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_imports_racing_end_with_the_rows_of_one_and_neither_fails() -> None:
+    """Two control planes applying the same ``--catalog`` file as they start. On PostgreSQL
+    both are held at their first insert until each has read that no row exists, so both insert
+    the same names: the unique constraints decide, and the loser runs again over the winner's
+    rows. (SQLite takes the write lock when a transaction begins: the second waits its turn.)"""
+    results: list[ImportResult] = []
+    failures: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def apply() -> None:
+        try:
+            start.wait()
+            results.append(catalog.import_yaml(CATALOG))
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    def race() -> list[threading.Thread]:
+        threads = [threading.Thread(target=apply) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        if connection.vendor == "postgresql":
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO \"control_profile\"%%'"
+            )
+            wait_until(lambda: execute_now(waiting)[0] == 2, what="both imports at one insert")
+        return threads
+
+    if connection.vendor == "postgresql":
+        # Reads pass a SHARE lock; inserts wait for it.
+        with table_locked("control_profile", mode="SHARE"):
+            threads = race()
+    else:
+        threads = race()
+    for thread in threads:
+        thread.join(60)
+    assert failures == []
+    assert sorted(len(r.created) for r in results) == [0, 4]
+    assert sorted(len(r.unchanged) for r in results) == [0, 4]
+    assert sorted(Profile.objects.values_list("name", flat=True)) == ["sim", "vllm-tp2"]
+    model = ServedModel.objects.get()
+    assert sorted(p.name for p in model.profiles.all()) == ["sim", "vllm-tp2"]
+    assert list(Endpoint.objects.values_list("slug", flat=True)) == ["openai-compat"]

@@ -355,14 +355,20 @@ class Cluster:
     # --- agents ------------------------------------------------------------------------
 
     def add_agent(
-        self, name: str, *extra: str, gpus: str = "2x80GiB", urls: Sequence[str] = ()
+        self,
+        name: str,
+        *extra: str,
+        gpus: str = "2x80GiB",
+        urls: Sequence[str] = (),
+        program: Sequence[str] = (PYTHON, "-m", "agents"),
     ) -> Agent:
         """An agent for node ``name`` (its token issued now), connected to every control
-        plane unless ``urls`` says otherwise."""
+        plane unless ``urls`` says otherwise; ``program`` is the agent's command (an installed
+        ``llmgw-agent``, say)."""
         home = self.root / "agents" / name
         home.mkdir(parents=True, exist_ok=True)
         low, high = port_window({a.ports[0] for a in self.agents.values()})
-        argv = [PYTHON, "-m", "agents", "--node", name]
+        argv = [*program, "--node", name]
         for url in urls or [p.agent_url for p in self.control_planes]:
             argv += ["--control-plane", url]
         if self.transport == GRPC:

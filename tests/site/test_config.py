@@ -64,6 +64,37 @@ def test_static_endpoints_reject_bad_entries(value: str) -> None:
         config.parse_static_endpoints({"E": value}, "E")
 
 
+def test_endpoint_flags_add_to_the_variable_and_write_back_as_it_reads() -> None:
+    env = {"E": "a=http://10.0.0.1:8000=m1"}
+    flags = ["b=http://10.0.0.2:8000/=m2,m3", "c=https://x.example=m4; d=http://10.0.0.4=m5"]
+    both = config.static_endpoints_with_flags(env, "E", "--endpoint", flags)
+    assert [e.id for e in both] == ["a", "b", "c", "d"]
+    assert both[1] == config.StaticEndpoint("b", "http://10.0.0.2:8000", ("m2", "m3"))
+    text = config.static_endpoints_text(both)
+    assert config.parse_static_endpoints({"E": text}, "E") == both
+    assert config.static_endpoints_with_flags({}, "E", "--endpoint", []) == ()
+
+
+@pytest.mark.parametrize(
+    ("variable", "flags", "message"),
+    [
+        (
+            "a=http://x=m",
+            ["a=http://y=n"],
+            r"--endpoint: endpoint id 'a' appears twice \(it is in E",
+        ),
+        ("", ["a=http://x=m", "a=http://y=n"], "--endpoint: endpoint id 'a' appears twice$"),
+        ("", ["a=http://x"], "--endpoint: 'a=http://x' is not of the form"),
+        ("a=http://x", ["b=http://y=n"], "E: 'a=http://x' is not of the form"),
+    ],
+)
+def test_endpoint_flags_are_refused_naming_the_flag_or_the_variable(
+    variable: str, flags: list[str], message: str
+) -> None:
+    with pytest.raises(config.ConfigError, match=f"^{message}"):
+        config.static_endpoints_with_flags({"E": variable}, "E", "--endpoint", flags)
+
+
 def run_manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "manage.py", *args],

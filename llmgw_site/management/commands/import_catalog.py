@@ -1,4 +1,5 @@
-"""``manage.py import_catalog FILE [--dry-run]``: create or update catalog entries from YAML.
+"""``manage.py import_catalog FILE [--dry-run]``: create or update catalog entries from a YAML
+file (JSON when its name ends in ``.json``), as ``manage.py run --catalog`` does at every start.
 
 Idempotent (a second import of the same file changes nothing), all-or-nothing (a bad entry
 leaves the catalog as it was), and never deletes what the file does not mention.
@@ -17,23 +18,27 @@ from llmgw_site import catalog
 
 class Command(BaseCommand):
     help = (
-        "Import profiles, models and static endpoints from a YAML file (as export_catalog "
-        "writes it; '-' reads standard input). Creates and updates; deletes nothing."
+        "Import profiles, models and static endpoints from a YAML or JSON file (as "
+        "export_catalog writes it; '-' reads standard input). Creates and updates; deletes "
+        "nothing."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("file", help="The YAML file, or - for standard input.")
+        parser.add_argument(
+            "file", help="The YAML file (JSON if it ends in .json), or - for standard input."
+        )
         parser.add_argument(
             "--dry-run", action="store_true", help="Validate and report, but write nothing."
         )
 
     def handle(self, *args: Any, file: str, dry_run: bool, **options: Any) -> None:
         try:
-            text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+            if file == "-":
+                result = catalog.import_yaml(sys.stdin.read(), dry_run=dry_run)
+            else:
+                result = catalog.import_file(Path(file), dry_run=dry_run)
         except OSError as exc:
             raise CommandError(f"cannot read {file}: {exc.strerror}") from None
-        try:
-            result = catalog.import_yaml(text, dry_run=dry_run)
         except catalog.CatalogError as exc:
             raise CommandError(f"{file}: {exc}; nothing was imported") from None
         for label in result.created:

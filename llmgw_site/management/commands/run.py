@@ -7,8 +7,14 @@ reconciler) and a local agent (real GPUs through NVML when present, simulated on
 until Ctrl-C stops them all.
 
 ``--router-only`` is the gateway alone, in front of engines llmgw does not run: web processes
-only (no worker, beat, agent or demo model), serving ``LLMGW_STATIC_ENDPOINTS`` and the
-Endpoint rows; it refuses to start when there is neither.
+only (no worker, beat, agent or demo model), serving ``LLMGW_STATIC_ENDPOINTS``, the
+``--endpoint`` flags and the Endpoint rows; it refuses to start when there is none.
+
+``--endpoint id=URL=model[,model]`` (repeatable) adds a static endpoint to those of
+``LLMGW_STATIC_ENDPOINTS``, in its format: the two add up, and an id given twice is refused.
+``--catalog FILE`` applies a catalog file (``export_catalog``'s format, YAML or JSON) at every
+start, as ``import_catalog`` does: what the file names is created or updated, what it does not
+name (models added in the admin or through the API) stays.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import os
 import secrets
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +37,13 @@ from control import node_tokens
 from control.models import Event, Profile, ServedModel
 from gateway.identity import keys
 from gateway.models import ApiKey, Endpoint
-from llmgw_site import launcher, listeners, owner_only
+from llmgw_site import catalog, launcher, listeners, owner_only
+from llmgw_site.config import (
+    ConfigError,
+    StaticEndpoint,
+    static_endpoints_text,
+    static_endpoints_with_flags,
+)
 from telemetry import metrics
 
 DEMO_KEY_NAME = "make run demo"
@@ -80,9 +93,42 @@ def ensure_demo_model() -> str:
     return model.name
 
 
-def router_only_models() -> list[str]:
-    """The model names a router-only run serves: its static endpoints' and enabled rows'."""
-    names = {name for endpoint in settings.LLMGW_STATIC_ENDPOINTS for name in endpoint.models}
+def static_endpoints(flags: Sequence[str]) -> tuple[StaticEndpoint, ...]:
+    """``LLMGW_STATIC_ENDPOINTS`` and the ``--endpoint`` flags together (they add up)."""
+    try:
+        return static_endpoints_with_flags(
+            os.environ, "LLMGW_STATIC_ENDPOINTS", "--endpoint", flags
+        )
+    except ConfigError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def hand_down_static_endpoints(endpoints: Sequence[StaticEndpoint]) -> None:
+    """The processes this one starts read their static endpoints from the variable: it is
+    set to the variable's and the flags' together."""
+    os.environ["LLMGW_STATIC_ENDPOINTS"] = static_endpoints_text(endpoints)
+
+
+def apply_catalog(path: str) -> catalog.ImportResult:
+    """The ``--catalog`` file, imported as ``import_catalog`` imports it (all or nothing, and
+    safe beside another control plane applying it at the same moment); a bad file stops the
+    start, naming the file, the entry and the field."""
+    try:
+        return catalog.import_file(Path(path))
+    except OSError as exc:
+        raise CommandError(f"--catalog: cannot read {path}: {exc.strerror}") from None
+    except catalog.CatalogError as exc:
+        at = f" (field {exc.field})" if exc.field else ""
+        raise CommandError(
+            f"--catalog {path}: {exc}{at}; nothing was imported and llmgw did not start"
+        ) from None
+
+
+def router_only_models(static: Sequence[StaticEndpoint] | None = None) -> list[str]:
+    """The model names a router-only run serves: its static endpoints' (by default
+    ``LLMGW_STATIC_ENDPOINTS``') and enabled rows'."""
+    given = settings.LLMGW_STATIC_ENDPOINTS if static is None else static
+    names = {name for endpoint in given for name in endpoint.models}
     for row in Endpoint.objects.filter(enabled=True).values_list("model_names", flat=True):
         names.update(str(name) for name in (row or []) if isinstance(name, str) and name)
     return sorted(names)
@@ -198,6 +244,23 @@ class Command(BaseCommand):
             help="Accept agents' WebSocket streams here, and not on the client port.",
         )
         parser.add_argument(
+            "--endpoint",
+            dest="endpoints",
+            action="append",
+            default=[],
+            metavar="ID=URL=MODEL[,MODEL]",
+            help="A static upstream, as in LLMGW_STATIC_ENDPOINTS (repeatable; adds to the "
+            "variable's; an id given twice is refused).",
+        )
+        parser.add_argument(
+            "--catalog",
+            dest="catalog_file",
+            metavar="FILE",
+            default="",
+            help="Apply this catalog file (export_catalog's format, YAML or JSON) at start, as "
+            "import_catalog does: creates and updates what it names, deletes nothing.",
+        )
+        parser.add_argument(
             "--router-only",
             action="store_true",
             help="Only the gateway, in front of LLMGW_STATIC_ENDPOINTS and the admin's Endpoints: "
@@ -215,11 +278,14 @@ class Command(BaseCommand):
         metrics_listen: str,
         agent_listen: str,
         agent_ws_listen: str,
+        endpoints: list[str],
+        catalog_file: str,
         router_only: bool,
         **opts: Any,
     ) -> None:
         if web_processes < 1:
             raise CommandError("--web-processes must be at least 1")
+        static = static_endpoints(endpoints)
         if settings.LLMGW_AGENT_REQUIRE_IDENTITY and not (no_agent or router_only):
             # The local agent would be refused at every try, its shards never placed.
             raise CommandError(
@@ -255,11 +321,14 @@ class Command(BaseCommand):
                 "of its own, whatever its address"
             )
         call_command("migrate", interactive=False, verbosity=0)
-        served = router_only_models() if router_only else []
+        # Before the demo model, which an empty catalog gets, and the router-only check,
+        # which counts the file's endpoints.
+        applied = apply_catalog(catalog_file) if catalog_file else None
+        served = router_only_models(static) if router_only else []
         if router_only and not served:
             raise CommandError(
-                "--router-only has nothing to serve: set LLMGW_STATIC_ENDPOINTS "
-                "(id=URL=model[,model]) or add an enabled Endpoint in the admin"
+                "--router-only has nothing to serve: set LLMGW_STATIC_ENDPOINTS or give "
+                "--endpoint (id=URL=model[,model]), or add an enabled Endpoint in the admin"
             )
         password = ensure_admin()
         admin_name = (
@@ -286,6 +355,7 @@ class Command(BaseCommand):
         bases = {role: url_of(*address) for role, address in addresses.items()}
         base = bases["client"]
         admin_base = bases[listeners.listener_of("admin", bases)]
+        hand_down_static_endpoints(static)
         env = dict(os.environ)
         children = launcher.web_children(
             sockets, web_processes, access_log=settings.LLMGW_ACCESS_LOG
@@ -297,10 +367,10 @@ class Command(BaseCommand):
                 launcher.Child("beat", celery_argv("beat", "--schedule", schedule), env)
             )
         if grpc_address and not router_only:
-            manage = str(Path(settings.BASE_DIR) / "manage.py")
             grpc_host, grpc_port = grpc_address
             where = f"[{grpc_host}]:{grpc_port}" if ":" in grpc_host else f"{grpc_host}:{grpc_port}"
-            argv = [sys.executable, manage, "serve_agents_grpc", "--listen", where]
+            # manage.py's commands, in a checkout and where the wheel is installed alike.
+            argv = [sys.executable, "-m", "llmgw_site", "serve_agents_grpc", "--listen", where]
             children.append(launcher.Child("agent-grpc", argv, env))
         if not (no_agent or router_only):
             agent_dir = settings.VAR_DIR / "agent"
@@ -327,6 +397,10 @@ class Command(BaseCommand):
             write(f"  web processes: {web_processes} on {base}  (+ reconciler worker and beat)")
         if not (no_agent or router_only):
             write(f"  local agent:   node '{LOCAL_NODE}': GPUs through NVML, else 2 simulated")
+        if static:
+            write(f"  endpoints:     {', '.join(f'{e.id} ({e.url})' for e in static)}")
+        if applied is not None:
+            write(f"  catalog:       {catalog_file}: {applied.summary()}")
         write(f"  health:        {base}/healthz")
         write(f"  admin:         {admin_base}/admin/")
         if "metrics" in bases:
