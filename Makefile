@@ -60,9 +60,12 @@ venv: $(LLAMA_STAMP)
 
 # Plain http on loopback: cookies without the Secure flag unless LLMGW_HTTPS says otherwise.
 # var/ and the key in it are owner-only from the first byte, whatever the caller's umask (the
-# key signs every session); `manage.py run` closes what an older version left open.
+# key signs every session); `manage.py run` closes what an older version left open. The key is
+# written whole to a file of its own, then linked into place (a link fails where the name
+# exists), so of two `make run` started together one key wins and both read it, never half of
+# one; an empty file an interrupted older write left is replaced.
 run: $(RUN_STAMP)
-	@umask 077; mkdir -p var; test -s var/secret_key || $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > var/secret_key
+	@umask 077; mkdir -p var; test -s var/secret_key || { new=$$(mktemp var/.secret_key.XXXXXX) && $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > "$$new" && { ln "$$new" var/secret_key 2>/dev/null || test -s var/secret_key || mv -f "$$new" var/secret_key; }; rm -f "$$new"; }
 	SECRET_KEY=$$(cat var/secret_key) LLMGW_HTTPS=$${LLMGW_HTTPS:-false} $(PY) manage.py run
 
 # The lockfiles' pins against published security advisories (OSV records; where they come from:

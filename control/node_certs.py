@@ -15,6 +15,7 @@ opens nothing. Every open stream re-checks its serial on each resync.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ CA_CERT: Final = "ca.pem"
 CA_KEY: Final = "ca.key"
 SERVER_CERT: Final = "server.pem"
 SERVER_KEY: Final = "server.key"
+INIT_LOCK: Final = ".init_ca.lock"
 CA_DAYS: Final = 3650
 LEAF_DAYS: Final = 397
 
@@ -122,7 +124,22 @@ def _leaf(
 def init_ca(ca_dir: Path, server_names: list[str], *, force: bool = False) -> Path:
     """Make the cluster CA and the agent listener's certificate (valid for ``server_names``:
     the host names and addresses agents dial). Refuses to replace an existing CA unless
-    ``force``: every node certificate issued from it would stop working."""
+    ``force``: every node certificate issued from it would stop working.
+
+    One at a time in ``ca_dir`` (an exclusive lock on a file there): two run together (a deploy
+    script on every host of shared storage) would both find no CA and write one each, leaving
+    one's key beside the other's certificate; holding the lock, the second is refused as if it
+    had come later."""
+    ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(ca_dir / INIT_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return _make_ca(ca_dir, server_names, force=force)
+    finally:
+        os.close(fd)  # the lock goes with the descriptor
+
+
+def _make_ca(ca_dir: Path, server_names: list[str], *, force: bool) -> Path:
     ca_path = ca_dir / CA_CERT
     if ca_path.exists() and not force:
         raise CaError(

@@ -4,6 +4,7 @@ listener uses."""
 
 from __future__ import annotations
 
+import functools
 import stat
 from io import StringIO
 from pathlib import Path
@@ -11,12 +12,14 @@ from typing import Any
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
 from django.core.management import CommandError, call_command
 
 from control import node_certs, node_tokens
 from control.models import Event, Node
 from tests.harness.modes import assert_owner_only, umask
+from tests.harness.racers import at_once
 
 pytestmark = pytest.mark.django_db
 
@@ -45,6 +48,26 @@ def test_init_ca_writes_the_ca_and_the_listeners_certificate_with_private_keys(
     assert "localhost" in names.get_values_for_type(x509.DNSName)
     with pytest.raises(CommandError, match="exists"):
         call_command("init_ca", stdout=StringIO())  # never silently replaced
+
+
+def test_init_ca_eight_times_at_once_makes_one_ca_that_signed_the_listeners_certificate(
+    tmp_path: Path,
+) -> None:
+    """Eight at the same instant, over many rounds: one makes the CA, the others are refused
+    as if they had come later, and what is on disk is one pair (the CA's key is its
+    certificate's, and it signed the listener's certificate, whose key is on disk beside it)."""
+    for round_number in range(20):
+        ca_dir = tmp_path / f"ca{round_number}"
+        outcomes = at_once(8, functools.partial(node_certs.init_ca, ca_dir, ["localhost"]))
+        made = [o for o in outcomes if isinstance(o, Path)]
+        refused = [o for o in outcomes if isinstance(o, node_certs.CaError) and "exists" in str(o)]
+        assert (len(made), len(refused)) == (1, 7), outcomes
+        ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+        server = x509.load_pem_x509_certificate((ca_dir / "server.pem").read_bytes())
+        for cert, key_file in ((ca, "ca.key"), (server, "server.key")):
+            key = serialization.load_pem_private_key((ca_dir / key_file).read_bytes(), None)
+            assert key.public_key() == cert.public_key(), key_file
+        server.verify_directly_issued_by(ca)  # raises unless the CA's key signed it
 
 
 def test_issue_node_cert_names_the_node_and_replaces_the_previous_one(

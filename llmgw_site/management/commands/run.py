@@ -37,7 +37,7 @@ from control import node_tokens
 from control.models import Event, Profile, ServedModel
 from gateway.identity import keys
 from gateway.models import ApiKey, Endpoint
-from llmgw_site import catalog, launcher, listeners, owner_only
+from llmgw_site import catalog, launcher, listeners, owner_only, startup
 from llmgw_site.config import (
     ConfigError,
     StaticEndpoint,
@@ -320,27 +320,30 @@ class Command(BaseCommand):
                 f"{' and '.join(names)} share port {shared_port}: give each listener a port "
                 "of its own, whatever its address"
             )
-        call_command("migrate", interactive=False, verbosity=0)
-        # Before the demo model, which an empty catalog gets, and the router-only check,
-        # which counts the file's endpoints.
-        applied = apply_catalog(catalog_file) if catalog_file else None
-        served = router_only_models(static) if router_only else []
-        if router_only and not served:
-            raise CommandError(
-                "--router-only has nothing to serve: set LLMGW_STATIC_ENDPOINTS or give "
-                "--endpoint (id=URL=model[,model]), or add an enabled Endpoint in the admin"
+        # Control planes started together on one store migrate and create one at a time
+        # (llmgw_site.startup says why); the ones after the first find it all done.
+        with startup.one_at_a_time():
+            call_command("migrate", interactive=False, verbosity=0)
+            # Before the demo model, which an empty catalog gets, and the router-only check,
+            # which counts the file's endpoints.
+            applied = apply_catalog(catalog_file) if catalog_file else None
+            served = router_only_models(static) if router_only else []
+            if router_only and not served:
+                raise CommandError(
+                    "--router-only has nothing to serve: set LLMGW_STATIC_ENDPOINTS or give "
+                    "--endpoint (id=URL=model[,model]), or add an enabled Endpoint in the admin"
+                )
+            password = ensure_admin()
+            admin_name = (
+                get_user_model()
+                .objects.filter(is_superuser=True)
+                .order_by("pk")
+                .values_list("username", flat=True)
+                .first()
             )
-        password = ensure_admin()
-        admin_name = (
-            get_user_model()
-            .objects.filter(is_superuser=True)
-            .order_by("pk")
-            .values_list("username", flat=True)
-            .first()
-        )
-        assert admin_name is not None
-        demo_model = served[0] if router_only else ensure_demo_model()
-        api_key = issue_demo_key(admin_name)
+            assert admin_name is not None
+            demo_model = served[0] if router_only else ensure_demo_model()
+            api_key = issue_demo_key(admin_name)
         # Requests a killed earlier run left in its usage journal get their rows now (each
         # exactly once), before any web process starts writing new ones.
         call_command("replay_usage", verbosity=0)
@@ -375,7 +378,10 @@ class Command(BaseCommand):
         if not (no_agent or router_only):
             agent_dir = settings.VAR_DIR / "agent"
             token_file = agent_dir / "token"
-            write_secret(token_file, node_tokens.issue_node_token(LOCAL_NODE))
+            # Held again so that the file is the token the node's row holds: another run on
+            # this var folder replaces both, never one of them in between.
+            with startup.one_at_a_time():
+                write_secret(token_file, node_tokens.issue_node_token(LOCAL_NODE))
             agent_env = {k: v for k, v in env.items() if k not in {"DATABASE_URL", "SECRET_KEY"}}
             children.append(
                 launcher.Child(
