@@ -30,6 +30,7 @@ from llmgw_site.config import (
     env_port_range,
     env_str,
     parse_static_endpoints,
+    process_name,
     redis_channel_layer,
 )
 
@@ -369,6 +370,11 @@ LLMGW_SHUTDOWN_GRACE: float = _read(env_float, "LLMGW_SHUTDOWN_GRACE", DEFAULT_S
 # (read by the web process itself; here so that a bad value stops `manage.py run` at once).
 LLMGW_IDLE_LINGER: float = _read(env_float, "LLMGW_IDLE_LINGER", DEFAULT_IDLE_LINGER)
 LLMGW_STATIC_ENDPOINTS = _read(parse_static_endpoints, "LLMGW_STATIC_ENDPOINTS") or ()
+# Every process answers diagnostic requests (stacks, profiles, heap) on a socket of its own
+# under VAR_DIR/diagnostics (llmgw_site.diagnostics); off, none does, and nothing of it runs.
+LLMGW_DIAGNOSTICS: bool = _read(env_bool, "LLMGW_DIAGNOSTICS", True)
+# What this process is (web, worker, beat, a command's name): in its log lines and diagnostics.
+LLMGW_PROCESS = process_name(sys.argv)
 
 # --- the gateway (/v1) --------------------------------------------------------------------------
 # Larger bodies are refused with 413 as soon as their length is known, before they are buffered.

@@ -44,6 +44,7 @@ import uvicorn
 
 from gateway.relay.drain import drain
 from llmgw_site.config import DEFAULT_IDLE_LINGER, DEFAULT_SHUTDOWN_GRACE, env_bool, env_float
+from llmgw_site.diagnostics import process as diagnostics
 from llmgw_site.listeners import ROLE_NAMES, ports_value
 
 logger = logging.getLogger("llmgw.webserver")
@@ -157,6 +158,8 @@ class WebServer(uvicorn.Server):
         if self.config.access_log:
             access.setLevel(logging.INFO)
         await super().startup(sockets)
+        # Its stacks, profiles and heap for the admin's diagnostics, answered by a thread.
+        diagnostics.start(asyncio.get_running_loop())
         if self.ready_fd is not None and self.started:
             with contextlib.suppress(OSError):
                 os.write(self.ready_fd, b"1")

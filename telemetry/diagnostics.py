@@ -217,14 +217,19 @@ def serve(folder: Path, process: Process) -> Channel:
         return _channel
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = socket_path(folder, os.getpid())
-    # A file of this pid is a dead process's: nobody else can be this pid now.
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+    # Bound and listening under another name first, then renamed into place: a socket file
+    # of this name always has a listener while its process lives, so an asker that finds it
+    # refusing knows its process is gone (and removes it).
+    making = path.with_name(f"{path.name}.new")
+    for stale in (path, making):  # a dead process's: nobody else can be this pid now
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    with _address(path) as address:
+    with _address(making) as address:
         listener.bind(address)
-    os.chmod(path, 0o600)
+    os.chmod(making, 0o600)
     listener.listen(16)
+    making.rename(path)
     if process.loop is not None and process.lag is None:
         process.lag = vitals.LoopLag()
         process.lag.start(process.loop)
@@ -236,16 +241,6 @@ def serve(folder: Path, process: Process) -> Channel:
 
 
 # --------------------------------------------------------------------------- asking
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def ask(path: Path, op: str, args: Mapping[str, Any] | None = None, *, timeout: float) -> Any:
@@ -262,13 +257,13 @@ def ask(path: Path, op: str, args: Mapping[str, Any] | None = None, *, timeout: 
             while chunk := conn.recv(1 << 16):
                 chunks.append(chunk)
         return json.loads(b"".join(chunks))
-    except (ConnectionRefusedError, FileNotFoundError):
+    except ConnectionRefusedError:
         # Nobody listens: a process that died without removing its file (SIGKILL, a crash).
-        if pid is not None and not _alive(pid):
-            with contextlib.suppress(OSError):
-                path.unlink()
-            return None
-        return {"pid": pid, "error": "not answering (refused)"}
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    except FileNotFoundError:  # it stopped, and removed its file, since the folder was read
+        return None
     except TimeoutError:
         return {"pid": pid, "error": f"no answer within {timeout:g}s"}
     except (OSError, ValueError) as exc:

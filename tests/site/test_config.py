@@ -168,3 +168,21 @@ async def test_the_redis_channel_layer_waits_out_a_quiet_spell(redis_server: Red
     await sender
     assert message == {"type": "after.quiet"}
     await layer.flush()
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["/srv/llmgw/llmgw_site/webserver.py", "--listen", "client=3"], "web"),
+        (["/venv/lib/python3.11/site-packages/celery/__main__.py", "-A", "x", "worker"], "worker"),
+        (["/venv/bin/celery", "--quiet", "-A", "llmgw_site", "beat", "--schedule", "s"], "beat"),
+        (["manage.py", "run", "--port", "8000"], "run"),
+        (["/srv/llmgw/manage.py", "diagnose", "stacks"], "diagnose"),
+        (["manage.py"], "manage"),
+        (["/venv/bin/pytest", "-q"], "pytest"),
+        ([], "python"),
+    ],
+)
+def test_a_process_is_named_by_its_command_line(argv: list[str], name: str) -> None:
+    assert config.process_name(argv) == name
+
