@@ -96,9 +96,7 @@ def test_a_wall_profile_shows_where_the_threads_wait_too(
     assert any("leak_a_known_allocation" in stack for stack in folded)
 
 
-def test_a_second_profile_at_the_same_time_is_refused(
-    folder: Path, diagnosed: Diagnosed
-) -> None:
+def test_a_second_profile_at_the_same_time_is_refused(folder: Path, diagnosed: Diagnosed) -> None:
     path = folder / f"{diagnosed.proc.pid}.sock"
     first = diagnostics.ask(path, "profile", {"seconds": 2, "mode": "wall"}, timeout=0.5)
     assert "no answer within" in first["error"]  # we stopped waiting; its profile goes on
@@ -111,9 +109,7 @@ def test_tracemalloc_switched_on_shows_the_leak_growing_from_its_line(
 ) -> None:
     pid = diagnosed.proc.pid
     assert only(diagnostics.gather(folder, "heap", pids=[pid]), pid)["tracing"] is False
-    assert only(diagnostics.gather(folder, "heap", {"action": "start"}, pids=[pid]), pid)[
-        "tracing"
-    ]
+    assert only(diagnostics.gather(folder, "heap", {"action": "start"}, pids=[pid]), pid)["tracing"]
 
     def grown() -> dict[str, Any] | None:
         report = only(diagnostics.gather(folder, "heap", pids=[pid]), pid)
@@ -139,9 +135,7 @@ def test_tracemalloc_switched_on_shows_the_leak_growing_from_its_line(
     assert only(diagnostics.gather(folder, "heap", pids=[pid]), pid)["growth"] == []
 
 
-def test_objects_by_type_and_the_collectors_statistics(
-    folder: Path, diagnosed: Diagnosed
-) -> None:
+def test_objects_by_type_and_the_collectors_statistics(folder: Path, diagnosed: Diagnosed) -> None:
     pid = diagnosed.proc.pid
     report = only(diagnostics.gather(folder, "objects", {"top": 50}, pids=[pid]), pid)
     counts = {row["type"]: row["count"] for row in report["types"]}
@@ -182,9 +176,7 @@ def test_info_tells_memory_threads_loop_lag_and_connections(
 def test_an_unknown_diagnostic_is_refused_by_name(folder: Path, diagnosed: Diagnosed) -> None:
     (answer,) = diagnostics.gather(folder, "secrets", pids=[diagnosed.proc.pid])
     assert answer["error"] == "no such diagnostic: 'secrets'"
-    (answer,) = diagnostics.gather(
-        folder, "profile", {"seconds": 1000}, pids=[diagnosed.proc.pid]
-    )
+    (answer,) = diagnostics.gather(folder, "profile", {"seconds": 1000}, pids=[diagnosed.proc.pid])
     assert "seconds must be" in answer["error"]
 
 
