@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from typing import Any
 
 from celery import Celery, signals
+from django.conf import settings
+from django.utils import log
 from kombu.transport import TRANSPORT_ALIASES
 
 from llmgw_site import broker
@@ -20,6 +23,16 @@ TRANSPORT_ALIASES.setdefault(broker.ALIAS, "llmgw_site.broker:Transport")
 app = Celery("llmgw")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@signals.celeryd_init.connect
+def configure_logging(**kwargs: Any) -> None:
+    """The worker's first signal, before Django is set up and before Celery warns of what it
+    dislikes (being started as root): logging first, so that those lines are written as every
+    other line of this process (``LLMGW_LOG_FORMAT``). Celery sends warnings to the log as
+    well, once it has set its logging up: from here on already."""
+    log.configure_logging(settings.LOGGING_CONFIG, settings.LOGGING)
+    logging.captureWarnings(True)
 
 
 @signals.worker_init.connect
