@@ -81,6 +81,7 @@ class Process:
             "loop_lag": self.lag.report() if self.lag else None,
             "connections": self.connections.count(),
             "tracemalloc": heap.status()["tracing"],
+            "profiling": self.profiling.locked(),
             **extras,
         }
 

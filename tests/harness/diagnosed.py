@@ -1,8 +1,8 @@
 """A process that answers diagnostics (``telemetry.diagnostics``) and does known things for the
 tests to find in its answers: a thread busy in :func:`spin_in_a_known_function`, a task waiting
 in :func:`wait_in_a_known_coroutine`, a list that grows in :func:`leak_a_known_allocation` (of
-``Leaked`` objects, which the collector tracks), an event loop stalled once for 300 ms, and a
-file and a TCP connection held open for the connection counts.
+``Leaked`` objects, which the collector tracks), an event loop stalled for 300 ms every five
+seconds, and a file and a TCP connection held open for the connection counts.
 
     python -m tests.harness.diagnosed FOLDER ROLE HELD_FILE TCP_PORT
 
@@ -29,7 +29,7 @@ from tests.harness.procs import PYTHON, Proc
 from tests.harness.waits import wait_until
 
 STALL_S = 0.3
-LEAK_LIMIT = 40_000
+STALL_EVERY_S = 5.0
 
 
 class Leaked:
@@ -49,17 +49,19 @@ def spin_in_a_known_function() -> None:
 
 
 def leak_a_known_allocation(kept: list[Leaked]) -> None:
-    while len(kept) < LEAK_LIMIT:
+    # About 100 KiB a second: a few MiB over a module's tests.
+    while True:
         kept.append(Leaked())  # the leaking line
-        time.sleep(0.002)
+        time.sleep(0.01)
 
 
 async def wait_in_a_known_coroutine() -> None:
     await asyncio.sleep(3600)
 
 
-def stall(seconds: float) -> None:
-    time.sleep(seconds)  # on the event loop: what a blocking call does to it
+def stall(loop: asyncio.AbstractEventLoop) -> None:
+    time.sleep(STALL_S)  # on the event loop: what a blocking call does to it
+    loop.call_later(STALL_EVERY_S, stall, loop)
 
 
 async def main(folder: Path, role: str, held: Path, port: int) -> None:
@@ -73,7 +75,7 @@ async def main(folder: Path, role: str, held: Path, port: int) -> None:
         waiting = asyncio.create_task(wait_in_a_known_coroutine(), name="known task")
         # Stopped as llmgw's processes are, it exits as they do: its socket file goes with it.
         loop.add_signal_handler(signal.SIGTERM, waiting.cancel)
-        loop.call_later(1.0, stall, STALL_S)
+        loop.call_later(1.0, stall, loop)
         print("ready", flush=True)
         with contextlib.suppress(asyncio.CancelledError):
             await waiting

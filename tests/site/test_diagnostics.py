@@ -102,7 +102,7 @@ def test_a_read_only_token_reads_every_diagnostic(diagnosed: Diagnosed) -> None:
     text = client.get(BASE + "stacks.txt", {"pid": pid})
     assert text["Content-Type"] == "text/plain; charset=utf-8"
     assert "spin_in_a_known_function" in text.content.decode()
-    objects = client.get(BASE + "objects.txt", {"pid": pid, "top": 80}).content.decode()
+    objects = client.get(BASE + "objects.txt", {"pid": pid, "top": 200}).content.decode()
     assert "__main__.Leaked" in objects and "generation 0:" in objects
     processes = client.get(BASE + "processes", {"pid": pid}).json()["processes"]
     assert processes[0]["answer"]["memory"]["rss_bytes"] > 0
