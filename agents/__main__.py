@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents import __version__, links
+from agents import __version__, links, logs
 from agents.agent import Agent, ConnectionConfig
 from agents.engines import LaunchContext
 from agents.gpus import discover, parse_simulated
@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a pong before the stream is considered dead (default %(default)s)",
     )
     add("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL") or "INFO")
+    add(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=os.environ.get("LLMGW_LOG_FORMAT") or "plain",
+        help="plain lines, or one JSON object a line (default: LLMGW_LOG_FORMAT, else plain)",
+    )
     add("--version", action="version", version=f"llmgw-agent {__version__}")
     return parser
 
@@ -360,10 +366,15 @@ async def run(plan: Plan) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=str(args.log_level).upper(),
-        format=f"%(asctime)s %(levelname)s agent[{args.node}] %(name)s: %(message)s",
-        stream=sys.stderr,
+    if (
+        args.log_format not in logs.FORMATS
+    ):  # from LLMGW_LOG_FORMAT, which argparse leaves unchecked
+        parser.error(f"LLMGW_LOG_FORMAT={args.log_format!r}: use one of {', '.join(logs.FORMATS)}")
+    logs.configure(
+        args.log_format,
+        str(args.log_level).upper(),
+        plain=f"%(asctime)s %(levelname)s agent[{args.node}] %(name)s: %(message)s",
+        fields={"process": "agent", "node": args.node},
     )
     # One line per health or metrics poll would drown what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)

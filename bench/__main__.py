@@ -8,11 +8,13 @@ drift hits all alike (see ``shared/BENCHMARK.md``):
   server ``manage.py run`` starts (uvicorn with uvloop and httptools);
 - L2: llmgw on that server (auth, limits check, routing, usage accounting on).
 
-More targets price single choices: L2 with usage accounting off, L2 with ``/v1`` on Django's
-stock handler and middleware (what ``gateway.edge.asgi.V1App`` saves), and the servers side by
-side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian, and L2 on daphne
-(what ran the web processes before). Every uvicorn target is the web process ``manage.py run``
-starts (the launcher's command line); granian and daphne get their own stock command lines.
+More targets price single choices: L2 with usage accounting off, L2 with the processes'
+diagnostics off (``LLMGW_DIAGNOSTICS=false``: what having them available costs), L2 with
+``/v1`` on Django's stock handler and middleware (what ``gateway.edge.asgi.V1App`` saves), and
+the servers side by side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian,
+and L2 on daphne (what ran the web processes before). Every uvicorn target is the web process
+``manage.py run`` starts (the launcher's command line); granian and daphne get their own stock
+command lines.
 Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0 (not with
 ``BENCH_PIN=0``). Then the control plane's figures (``bench/control.py``): cold start and
 failover; and the CPU of one routing decision by the cache (``bench/routing_cost.py``). The
@@ -38,7 +40,12 @@ import uvloop
 from bench import control
 from bench.figures import print_table, summarize
 from bench.load import MIN_KNEE_RATE, held_streams, knee, latency_rounds, stream_rounds
-from bench.targets import PINNING, REPO, WORK, setup
+from bench.targets import PINNING, REPO, WORK, Stack, setup
+
+
+def diagnostics_rss(stack: Stack) -> dict[str, float]:
+    """Resident memory of L2 with its diagnostics available and without, after the same load."""
+    return {name: stack.targets[name].rss_mib() for name in ("L2", "L2-no-diagnostics")}
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -51,6 +58,7 @@ def run(quick: bool) -> dict[str, Any]:
         report: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count(), "pinned": PINNING}
         report["litellm_skipped"] = stack.skipped.get("litellm", "")
         report["latency"] = step(latency_rounds(stack, 3 if quick else 7, 200 if quick else 400))
+        report["diagnostics_rss_mib"] = diagnostics_rss(stack)
         report["streaming"] = step(stream_rounds(stack, 3 if quick else 5, 10 if quick else 40))
         rates = [MIN_KNEE_RATE, 100, 150, 200, 300, 400, 600, 800, 1000, 1300, 1600, 2000]
         rates += [2500, 3000]

@@ -167,6 +167,8 @@ def start_targets(stack: Stack, env: dict[str, str]) -> None:
         "L1": ("bench.relay:app", {"BENCH_UPSTREAM": sim.url}),
         "L2": ("", {}),
         "L2-no-usage": ("", {"LLMGW_USAGE_ACCOUNTING": "false"}),
+        # What having the processes' diagnostics available costs while nobody asks for them.
+        "L2-no-diagnostics": ("", {"LLMGW_DIAGNOSTICS": "false"}),
         "L2-stock-handler": ("bench.stock:app", {}),
     }
     for name, (app, extra) in variants.items():

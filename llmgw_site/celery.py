@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
+from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
+from django.conf import settings
+from django.utils import log
 from kombu.transport import TRANSPORT_ALIASES
 
 from llmgw_site import broker
+from llmgw_site.diagnostics import process as diagnostics
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
 # The embedded default's broker (settings: CELERY_BROKER_URL): kombu's filesystem transport
@@ -18,6 +23,25 @@ TRANSPORT_ALIASES.setdefault(broker.ALIAS, "llmgw_site.broker:Transport")
 app = Celery("llmgw")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@signals.celeryd_init.connect
+def configure_logging(**kwargs: Any) -> None:
+    """The worker's first signal, before Django is set up and before Celery warns of what it
+    dislikes (being started as root): logging first, so that those lines are written as every
+    other line of this process (``LLMGW_LOG_FORMAT``). Celery sends warnings to the log as
+    well, once it has set its logging up: from here on already."""
+    log.configure_logging(settings.LOGGING_CONFIG, settings.LOGGING)
+    logging.captureWarnings(True)
+
+
+@signals.worker_init.connect
+@signals.beat_init.connect
+def answer_diagnostics(**kwargs: Any) -> None:
+    """The worker's and beat's stacks, profiles and heap for the admin's diagnostics."""
+    diagnostics.start()
+
+
 # A web process imports this module on first use (an early reconcile tick), after it froze what
 # it had loaded at start (gateway.routing.upstreams): Celery's objects are kept out of the cyclic
 # collector's full scans too.

@@ -7,8 +7,9 @@ Pure functions over a mapping: tests pass a dict instead of touching ``os.enviro
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import PurePath
 
 # How long a stopping web process lets requests in flight finish (LLMGW_SHUTDOWN_GRACE).
 DEFAULT_SHUTDOWN_GRACE = 30.0
@@ -34,6 +35,20 @@ def redis_channel_layer(url: str) -> dict[str, object]:
     """The channel layer on the Redis at ``url``, its reads outlasting the layer's own waits."""
     host = {"address": url, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S}
     return {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [host]}}
+
+
+def process_name(argv: Sequence[str]) -> str:
+    """What this process is, from its command line, for its log lines and its diagnostics:
+    ``web`` (``python -m llmgw_site.webserver``), ``worker`` or ``beat`` (Celery), a
+    ``manage.py`` command's name, else the program's own."""
+    program = PurePath(argv[0]) if argv else PurePath("python")
+    if program.name == "webserver.py" and program.parent.name == "llmgw_site":
+        return "web"
+    if program.name == "celery" or (program.parent.name == "celery" and program.stem == "__main__"):
+        return next((word for word in argv[1:] if word in ("worker", "beat")), "celery")
+    if program.name == "manage.py" and len(argv) > 1:
+        return argv[1]
+    return program.stem
 
 
 class ConfigError(Exception):

@@ -86,8 +86,14 @@ ROLES: tuple[Role, ...] = (
     Role(
         "admin",
         # Everything Django serves (the admin, its dashboard, /account/, the admin API, sign-in,
-        # its static files), and Django's own 404 for what it does not know.
-        serves=(_HEALTHZ, Route("http", ANY, Answer.SITE)),
+        # its static files), and Django's own 404 for what it does not know. The processes'
+        # live diagnostics are named, so that no other listener ever serves them (their stacks,
+        # profiles and heap are for operators only: llmgw_site.diagnostics).
+        serves=(
+            _HEALTHZ,
+            Route("http", "/admin/diagnostics*", Answer.SITE),
+            Route("http", ANY, Answer.SITE),
+        ),
         without_listener=(Route("http", ANY, Answer.SITE),),
     ),
     Role(

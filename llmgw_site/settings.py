@@ -30,6 +30,7 @@ from llmgw_site.config import (
     env_port_range,
     env_str,
     parse_static_endpoints,
+    process_name,
     redis_channel_layer,
 )
 
@@ -383,6 +384,11 @@ LLMGW_SHUTDOWN_GRACE: float = _read(env_float, "LLMGW_SHUTDOWN_GRACE", DEFAULT_S
 # (read by the web process itself; here so that a bad value stops `manage.py run` at once).
 LLMGW_IDLE_LINGER: float = _read(env_float, "LLMGW_IDLE_LINGER", DEFAULT_IDLE_LINGER)
 LLMGW_STATIC_ENDPOINTS = _read(parse_static_endpoints, "LLMGW_STATIC_ENDPOINTS") or ()
+# Every process answers diagnostic requests (stacks, profiles, heap) on a socket of its own
+# under VAR_DIR/diagnostics (llmgw_site.diagnostics); off, none does, and nothing of it runs.
+LLMGW_DIAGNOSTICS: bool = _read(env_bool, "LLMGW_DIAGNOSTICS", True)
+# What this process is (web, worker, beat, a command's name): in its log lines and diagnostics.
+LLMGW_PROCESS = process_name(sys.argv)
 
 # --- the gateway (/v1) --------------------------------------------------------------------------
 # Larger bodies are refused with 413 as soon as their length is known, before they are buffered.
@@ -579,13 +585,24 @@ elif not LLMGW_PASSWORD_LOGIN:
 LLMGW_CLIENT_IP_HEADER: str = env_str(ENV, "LLMGW_CLIENT_IP_HEADER", "")
 AXES_CLIENT_IP_CALLABLE = "llmgw_site.signin.client_ip"
 
+# "plain" lines as always, or "json": one object a line (agents.logs), each line written while
+# serving a request with its request id and trace id (telemetry.logs).
+LLMGW_LOG_FORMAT: str = _read(env_choice, "LLMGW_LOG_FORMAT", "plain", ("plain", "json"))
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
         "plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"},
+        "json": {"()": "agents.logs.JsonFormatter", "fields": {"process": LLMGW_PROCESS}},
     },
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"request_ids": {"()": "telemetry.logs.RequestIds"}},
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LLMGW_LOG_FORMAT,
+            "filters": ["request_ids"],
+        }
+    },
     "root": {"handlers": ["console"], "level": env_str(ENV, "LLMGW_LOG_LEVEL", "INFO").upper()},
     "loggers": {
         # LLMGW_DEBUG_LOGGERS=control.reconciler,gateway.relay turns up one subsystem at a time.
@@ -602,6 +619,16 @@ LOGGING = {
         "celery.beat": {"level": "WARNING"},
         # Every sign-in would log a line; lockouts and failures are warnings and still show.
         "axes": {"level": "WARNING"},
+        # Django's own handlers write plain lines (its console one while DEBUG is on, the
+        # development server's always): in JSON, everything goes through ours.
+        **(
+            {
+                "django": {"handlers": [], "level": "INFO"},
+                "django.server": {"handlers": ["console"], "level": "INFO", "propagate": False},
+            }
+            if LLMGW_LOG_FORMAT == "json"
+            else {}
+        ),
     },
 }
 

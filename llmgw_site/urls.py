@@ -19,6 +19,8 @@ urlpatterns = [
     path("metrics", metrics_view, name="metrics"),
     # Before admin.site.urls, whose catch-all would take it; staff-only, checked in the view.
     path("admin/dashboard.json", dashboard_data, name="admin-dashboard-data"),
+    # Every process's stacks, profiles and heap: staff or an admin token, in the view.
+    path("admin/diagnostics/", include("llmgw_site.diagnostics.urls")),
     path("admin/", admin.site.urls),
     path("account/", include("gateway.identity.account")),
     # Single sign-on (OpenID Connect): 404 unless configured.

@@ -42,8 +42,16 @@ from types import FrameType
 
 import uvicorn
 
+from agents import logs
 from gateway.relay.drain import drain
-from llmgw_site.config import DEFAULT_IDLE_LINGER, DEFAULT_SHUTDOWN_GRACE, env_bool, env_float
+from llmgw_site.config import (
+    DEFAULT_IDLE_LINGER,
+    DEFAULT_SHUTDOWN_GRACE,
+    env_bool,
+    env_choice,
+    env_float,
+)
+from llmgw_site.diagnostics import process as diagnostics
 from llmgw_site.listeners import ROLE_NAMES, listeners_value
 
 logger = logging.getLogger("llmgw.webserver")
@@ -157,6 +165,8 @@ class WebServer(uvicorn.Server):
         if self.config.access_log:
             access.setLevel(logging.INFO)
         await super().startup(sockets)
+        # Its stacks, profiles and heap for the admin's diagnostics, answered by a thread.
+        diagnostics.start(asyncio.get_running_loop())
         if self.ready_fd is not None and self.started:
             with contextlib.suppress(OSError):
                 os.write(self.ready_fd, b"1")
@@ -226,8 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     grace = env_float(os.environ, "LLMGW_SHUTDOWN_GRACE", DEFAULT_SHUTDOWN_GRACE)
     idle_linger = env_float(os.environ, "LLMGW_IDLE_LINGER", DEFAULT_IDLE_LINGER)
     access_log = args.access_log or env_bool(os.environ, "LLMGW_ACCESS_LOG", False)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING)
+    if not logging.getLogger().handlers:  # until the application's LOGGING takes over
+        log_format = env_choice(os.environ, "LLMGW_LOG_FORMAT", "plain", logs.FORMATS)
+        logs.configure(log_format, logging.WARNING, fields={"process": "web"})
     # SIGHUP is for the launcher (a rolling restart); a web process it reaches by accident
     # (a closed terminal) keeps serving until it is told to stop.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

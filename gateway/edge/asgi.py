@@ -112,12 +112,15 @@ async def _answer(
     body: bytes,
     clock_start: float,
     session: bytes | None,
+    *,
+    traceparent: bytes | None,
 ) -> Response:
     key = await _key_or_refusal(authorization)
     if isinstance(key, Response):
         return key
     named = session.decode("latin-1") if session else None
-    return await entry.relay(body, key, route, clock_start, session=named)
+    trace = traceparent.decode("latin-1") if traceparent else None
+    return await entry.relay(body, key, route, clock_start, session=named, traceparent=trace)
 
 
 async def _key_or_refusal(authorization: bytes | None) -> KeyInfo | Response:
@@ -140,6 +143,7 @@ async def _relay(
     clock_start: float,
     *,
     session: bytes | None,
+    traceparent: bytes | None,
     receive: Receive,
     send: Send,
 ) -> None:
@@ -184,7 +188,9 @@ async def _relay(
     listen_later = loop.call_later(LISTEN_AFTER_S, start_listening)
     drain.requests.add(task)
     try:
-        answer = await _answer(route, authorization, body, clock_start, session)
+        answer = await _answer(
+            route, authorization, body, clock_start, session, traceparent=traceparent
+        )
         await send_answer(answer, tracked_send)
     except asyncio.CancelledError:
         if not hung_up and not drain.cut:
@@ -265,11 +271,14 @@ class V1App:
         limit = settings.LLMGW_MAX_BODY_BYTES
         authorization: bytes | None = None
         session: bytes | None = None  # x-session-id: requests that share one share a replica
+        traceparent: bytes | None = None  # W3C trace context: the request's log lines carry it
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
             elif name == b"x-session-id":
                 session = value
+            elif name == b"traceparent":
+                traceparent = value
             elif name == b"content-length" and value.isdigit() and int(value) > limit:
                 await send_answer(_refused_body(), send)
                 return
@@ -283,7 +292,14 @@ class V1App:
         route = BY_PATH.get(scope["path"]) if scope["method"] == "POST" else None
         if route is not None:
             await _relay(
-                route, authorization, body, clock_start, session=session, receive=receive, send=send
+                route,
+                authorization,
+                body,
+                clock_start,
+                session=session,
+                traceparent=traceparent,
+                receive=receive,
+                send=send,
             )
         elif scope["path"] == "/v1/models" and scope["method"] == "GET":
             # Clients list models often (as a health check, too): no ninja, no Django.

@@ -39,6 +39,7 @@ from gateway.responses import Response
 from gateway.routing import prefix
 from gateway.routing.choice import affinity_of
 from gateway.routing.upstreams import upstreams
+from telemetry import logs
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +54,16 @@ async def relay(
     api_route: RelayRoute,
     clock_start: float,
     session: str | None = None,
+    *,
+    traceparent: str | None = None,
 ) -> Response:
     """The request path after authentication, for one ``/v1`` call that goes to an engine.
-    ``session`` is the client's ``x-session-id`` header, if it sent one."""
+    ``session`` is the client's ``x-session-id`` header, ``traceparent`` its W3C trace context,
+    if it sent them."""
     _start_background()
     request_id = new_request_id()
+    # Every line logged from here on (and by what this request starts) names it.
+    logs.begin_request(request_id, traceparent)
     usage = Usage(request_id, key.id, key.user_id, "", api_route.kind, time.time())
     ex = Exchange(api_route, key, usage, clock_start)
     try:

@@ -109,17 +109,21 @@ def _by_session(request: HttpRequest) -> Caller:
     )
 
 
-def caller(request: HttpRequest, view: tuple[str, ...] = ()) -> Caller:
-    """The caller of ``request``, or :class:`Denied`. Reads need the view permissions ``view``
-    (none: a superuser's or a token's); writes need write power."""
+def _who(request: HttpRequest) -> Caller:
+    """Whoever sent ``request``: an admin token's holder, else a staff session's user."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if header:
         if scheme.lower() != "bearer" or not token.strip():
             raise Denied(401, "unauthorized", "Authorization must be 'Bearer <admin token>'")
-        who = _by_token(request, token.strip())
-    else:
-        who = _by_session(request)
+        return _by_token(request, token.strip())
+    return _by_session(request)
+
+
+def caller(request: HttpRequest, view: tuple[str, ...] = ()) -> Caller:
+    """The caller of ``request``, or :class:`Denied`. Reads need the view permissions ``view``
+    (none: a superuser's or a token's); writes need write power."""
+    who = _who(request)
     if request.method in SAFE_METHODS:
         if not who.may_view(view):
             needed = ", ".join(view) or "a superuser's"
@@ -127,6 +131,15 @@ def caller(request: HttpRequest, view: tuple[str, ...] = ()) -> Caller:
     elif not who.can_write:
         raise Denied(403, "read_only", "this token or account may only read")
     return who
+
+
+def diagnostician(request: HttpRequest) -> Caller:
+    """Who may look inside llmgw's processes (``llmgw_site.diagnostics``), or :class:`Denied`:
+    any admin token, a read-only one too, and any staff session (its unsafe requests with the
+    CSRF token). What they see is code and counts (stacks, profiles, allocation sites, objects
+    by type), never a row, a key or a value; what they may switch (tracing allocations) changes
+    what is measured, not what llmgw does."""
+    return _who(request)
 
 
 class AdminAuth:

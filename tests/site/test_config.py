@@ -199,3 +199,30 @@ async def test_the_redis_channel_layer_waits_out_a_quiet_spell(redis_server: Red
     await sender
     assert message == {"type": "after.quiet"}
     await layer.flush()
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["/srv/llmgw/llmgw_site/webserver.py", "--listen", "client=3"], "web"),
+        (["/venv/lib/python3.11/site-packages/celery/__main__.py", "-A", "x", "worker"], "worker"),
+        (["/venv/bin/celery", "--quiet", "-A", "llmgw_site", "beat", "--schedule", "s"], "beat"),
+        (["manage.py", "run", "--port", "8000"], "run"),
+        (["/srv/llmgw/manage.py", "diagnose", "stacks"], "diagnose"),
+        (["manage.py"], "manage"),
+        (["/venv/bin/pytest", "-q"], "pytest"),
+        ([], "python"),
+    ],
+)
+def test_a_process_is_named_by_its_command_line(argv: list[str], name: str) -> None:
+    assert config.process_name(argv) == name
+
+
+def test_a_bad_log_format_or_diagnostics_switch_stops_start_up_naming_it(tmp_path) -> None:
+    result = run_manage(
+        {"LLMGW_VAR_DIR": str(tmp_path), "LLMGW_LOG_FORMAT": "xml", "LLMGW_DIAGNOSTICS": "maybe"},
+        "check",
+    )
+    assert result.returncode == 2
+    assert "LLMGW_LOG_FORMAT='xml' is not one of plain, json" in result.stderr
+    assert "LLMGW_DIAGNOSTICS='maybe' is not a boolean" in result.stderr
