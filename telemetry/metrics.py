@@ -77,6 +77,12 @@ USAGE_CLAMPED = Counter(
     "llmgw_usage_clamped",
     "Token counts an upstream reported outside 0..2^31-1, clamped before they were recorded.",
 )
+SLOW_CLIENTS_CLOSED = Counter(
+    "llmgw_slow_clients_closed",
+    "Connections answered 408 and closed because a request's headers or body missed its"
+    " deadline (LLMGW_HEADER_TIMEOUT, LLMGW_BODY_TIMEOUT), by phase (headers, body).",
+    ["phase"],
+)
 UPSTREAM_ERRORS = Counter(
     "llmgw_upstream_errors",
     "Failed attempts to reach an engine or static endpoint, by model and reason.",
