@@ -73,7 +73,9 @@ class DeadlineProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._phase is Phase.BODY and self._deadline is None:
+        # Not while uvicorn has stopped reading (a request pipelined behind one still being
+        # answered): then the body waits on the server, not on the client.
+        if self._phase is Phase.BODY and self._deadline is None and not self.flow.read_paused:
             self._arm(self.body_timeout)
 
     def on_message_begin(self) -> None:
