@@ -9,10 +9,18 @@ it keeps acting on a claim it could not confirm (the renew deadline, on a monoto
 
 Every write the reconciler makes happens inside :func:`fenced`, which re-checks owner and epoch
 in the same transaction while holding the lease row, so a deposed leader's writes change nothing.
+
+On SQLite, where every writer queues for one write lock, the lease path waits for that lock no
+longer than the holder could act on what it gets: a renew at most its renew deadline, a fenced
+block at most what is left of it. A lock still held then is "database is locked", a store error
+like any other: the renew counts as "store unreachable this round", the fenced block as a tick
+aborted, and the next tick tries again (other writers keep waiting the busy timeout,
+``LLMGW_SQLITE_BUSY_TIMEOUT``, as they should: their work is not on a deadline).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -77,6 +85,32 @@ IDLE_LIMIT_SQL = "SELECT set_config('idle_in_transaction_session_timeout', %s, t
 READ_SQL = """
 SELECT owner, epoch, expires_at_ms, llmgw_clock_ms() FROM control_lease WHERE name = %s
 """
+
+
+@contextmanager
+def _lock_wait_at_most(seconds: float) -> Iterator[None]:
+    """On SQLite, wait at most ``seconds`` for its write lock inside the block (then
+    OperationalError "database is locked"), instead of the busy timeout."""
+    if connection.vendor != "sqlite":
+        yield
+        return
+    usual = float(connection.settings_dict.get("OPTIONS", {}).get("timeout", 5.0))
+    _set_lock_wait(min(usual, max(0.0, seconds)))
+    try:
+        yield
+    finally:
+        try:
+            _set_lock_wait(usual)
+        except DatabaseError:
+            # Not left short for the other writers of this process: a new connection gets
+            # the busy timeout it was opened with.
+            with contextlib.suppress(DatabaseError):
+                connection.close()
+
+
+def _set_lock_wait(seconds: float) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
 
 class LeadershipLost(Exception):
@@ -147,7 +181,8 @@ def claim(
     # database's clock, so stopping at sent_at + renew_deadline (< ttl) is always in time.
     sent_at = clock()
     try:
-        with connection.cursor() as cursor:
+        # A renew that takes SQLite's write lock after its deadline could not be acted on.
+        with _lock_wait_at_most(renew_deadline), connection.cursor() as cursor:
             cursor.execute(CLAIM_SQL, [name, owner, int(ttl * 1000)])
             row = cursor.fetchone()
     except DatabaseError as exc:
@@ -278,7 +313,7 @@ def fenced(leadership: Leadership, *, clock: Clock = time.monotonic) -> Iterator
         raise LeadershipLost(
             f"lease {leadership.name}: epoch {leadership.epoch} is past its deadline"
         )
-    with transaction.atomic():
+    with _lock_wait_at_most(leadership.act_until - clock()), transaction.atomic():
         with connection.cursor() as cursor:
             if connection.vendor == "postgresql":
                 cursor.execute(IDLE_LIMIT_SQL, [str(int(settings.LLMGW_LEASE_TTL * 1000))])

@@ -23,6 +23,12 @@ DEFAULT_SHUTDOWN_GRACE = 30.0
 # shorter.
 DEFAULT_IDLE_LINGER = 20.0
 
+# A request's headers must be in this long after its connection opened (after its first byte on
+# a kept-alive connection), and its body this long after its headers (LLMGW_HEADER_TIMEOUT,
+# LLMGW_BODY_TIMEOUT; llmgw_site.client_deadlines). Headers come in one packet from any client;
+# a minute is 8 MiB (the default body limit) at about 1 Mbit/s.
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 60.0
 
 # channels_redis waits for a group message in a blocking pop of 5 s at a time
 # (RedisChannelLayer.brpop_timeout). redis-py 8 gives every read a 5 s timeout by default, so

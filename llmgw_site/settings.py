@@ -19,6 +19,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from llmgw_site import owner_only
 from llmgw_site.config import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
     DEFAULT_IDLE_LINGER,
     DEFAULT_SHUTDOWN_GRACE,
     ConfigError,
@@ -383,6 +385,14 @@ LLMGW_SHUTDOWN_GRACE: float = _read(env_float, "LLMGW_SHUTDOWN_GRACE", DEFAULT_S
 # ...and keeps an idle kept-alive connection open this long, so the client closes it first
 # (read by the web process itself; here so that a bad value stops `manage.py run` at once).
 LLMGW_IDLE_LINGER: float = _read(env_float, "LLMGW_IDLE_LINGER", DEFAULT_IDLE_LINGER)
+# A request's headers and its body must arrive within these (seconds), else 408 and the
+# connection is closed (read by the web process itself, llmgw_site.client_deadlines).
+LLMGW_HEADER_TIMEOUT: float = _read(
+    env_float, "LLMGW_HEADER_TIMEOUT", DEFAULT_HEADER_TIMEOUT, minimum=0.1
+)
+LLMGW_BODY_TIMEOUT: float = _read(
+    env_float, "LLMGW_BODY_TIMEOUT", DEFAULT_BODY_TIMEOUT, minimum=0.1
+)
 LLMGW_STATIC_ENDPOINTS = _read(parse_static_endpoints, "LLMGW_STATIC_ENDPOINTS") or ()
 # Every process answers diagnostic requests (stacks, profiles, heap) on a socket of its own
 # under VAR_DIR/diagnostics (llmgw_site.diagnostics); off, none does, and nothing of it runs.

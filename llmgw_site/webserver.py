@@ -24,6 +24,10 @@ SIGTERM) changes nothing; one that comes later forces the exit.
 
     python -m llmgw_site.webserver --listen client=3 [--listen admin=4 ...] [--app MOD:ATTR]
 
+Slow clients are bounded (``llmgw_site.client_deadlines``): a request's headers must be in
+``LLMGW_HEADER_TIMEOUT`` seconds after its connection opened, and its body
+``LLMGW_BODY_TIMEOUT`` seconds after its headers; past either, 408 and the connection closes.
+
 ``--ready-fd N`` writes one byte to descriptor N once the process accepts: the launcher's
 rolling restart waits for it before it stops the process this one replaces.
 """
@@ -44,7 +48,10 @@ import uvicorn
 
 from agents import logs
 from gateway.relay.drain import drain
+from llmgw_site import client_deadlines
 from llmgw_site.config import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
     DEFAULT_IDLE_LINGER,
     DEFAULT_SHUTDOWN_GRACE,
     env_bool,
@@ -193,11 +200,19 @@ def listeners(specs: list[str]) -> dict[int, str]:
     return out
 
 
-def build_config(app: str, *, access_log: bool, grace: float) -> uvicorn.Config:
+def build_config(
+    app: str,
+    *,
+    access_log: bool,
+    grace: float,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         loop="uvloop",
-        http="httptools",
+        # httptools, with deadlines on each request's headers and body (slow clients).
+        http=client_deadlines.protocol(header_timeout, body_timeout),
         ws="websockets-sansio",
         ws_max_size=WS_MAX_BYTES,
         # The agents' frames are small JSON on a private network: compressing each one cost
@@ -242,7 +257,15 @@ def main(argv: list[str] | None = None) -> None:
     # SIGHUP is for the launcher (a rolling restart); a web process it reaches by accident
     # (a closed terminal) keeps serving until it is told to stop.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    config = build_config(args.app, access_log=access_log, grace=grace)
+    config = build_config(
+        args.app,
+        access_log=access_log,
+        grace=grace,
+        header_timeout=env_float(
+            os.environ, "LLMGW_HEADER_TIMEOUT", DEFAULT_HEADER_TIMEOUT, minimum=0.1
+        ),
+        body_timeout=env_float(os.environ, "LLMGW_BODY_TIMEOUT", DEFAULT_BODY_TIMEOUT, minimum=0.1),
+    )
     server = WebServer(config, grace=grace, ready_fd=args.ready_fd, idle_linger=idle_linger)
     server.run(sockets=sockets)
 

@@ -73,9 +73,26 @@ USAGE_DEAD_LETTERS = Counter(
     "llmgw_usage_dead_letters",
     "Usage rows the store refused even alone, kept in the dead-letter journal instead.",
 )
+USAGE_JOURNAL_ERRORS = Counter(
+    "llmgw_usage_journal_errors",
+    "Writes, fsyncs and opens of a usage journal that failed (a full or failing disk).",
+)
+# livemax: 1 while any live web process cannot write its journal; its rows go straight to the
+# store meanwhile, and are lost if it dies before they are stored.
+USAGE_JOURNAL_UNWRITABLE = Gauge(
+    "llmgw_usage_journal_unwritable",
+    "1 while a web process cannot write its usage journal (rows go straight to the store).",
+    multiprocess_mode="livemax",
+)
 USAGE_CLAMPED = Counter(
     "llmgw_usage_clamped",
     "Token counts an upstream reported outside 0..2^31-1, clamped before they were recorded.",
+)
+SLOW_CLIENTS_CLOSED = Counter(
+    "llmgw_slow_clients_closed",
+    "Connections answered 408 and closed because a request's headers or body missed its"
+    " deadline (LLMGW_HEADER_TIMEOUT, LLMGW_BODY_TIMEOUT), by phase (headers, body).",
+    ["phase"],
 )
 UPSTREAM_ERRORS = Counter(
     "llmgw_upstream_errors",

@@ -75,6 +75,8 @@ LONGEST_MODULES = (
     "tests/site/test_agent_listeners_e2e.py",
     "tests/site/test_broker.py",
     "tests/site/test_browser.py",
+    "tests/control/test_lease_pause_e2e.py",
+    "tests/site/test_sqlite_writers_e2e.py",
 )
 
 

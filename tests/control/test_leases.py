@@ -7,9 +7,12 @@ database's clock, and the holder's own deadline runs on an injected clock.
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -238,6 +241,76 @@ def test_a_holder_frozen_inside_a_fence_is_cut_off_after_one_ttl(settings: Any) 
     connection.close()
     assert results["b"].is_leader and results["b"].epoch == 2
     assert not Event.objects.filter(message__startswith="written").exists()
+
+
+@contextmanager
+def sqlite_write_lock_held() -> Iterator[None]:
+    """SQLite's one write lock, held by another connection for the block (at most 10 s)."""
+    locked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        outside = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None)
+        try:
+            outside.execute("BEGIN IMMEDIATE")
+            locked.set()
+            release.wait(10)
+            outside.execute("ROLLBACK")
+        finally:
+            outside.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert locked.wait(10), "the outside connection took the write lock"
+        yield
+    finally:
+        release.set()
+        thread.join(30)
+
+
+def busy_timeout_ms() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA busy_timeout")
+        return int(cursor.fetchone()[0])
+
+
+def test_a_renew_that_meets_sqlites_write_lock_counts_as_store_unreachable(
+    fake_clock: FakeClock,
+) -> None:
+    """[L14] The renew waits for SQLite's write lock no longer than its renew deadline (not
+    the 20 s busy timeout): the claim is kept until its own deadline, as for a store that
+    cannot be reached, and the next round renews. Other writers still wait the busy timeout."""
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's one write lock; PostgreSQL locks rows")
+    usual = busy_timeout_ms()
+    held = leases.claim(owner="a", renew_deadline=0.3, clock=fake_clock)
+    with sqlite_write_lock_held():
+        kept = leases.claim(owner="a", previous=held, renew_deadline=0.3, clock=fake_clock)
+        assert busy_timeout_ms() == usual
+    assert kept.is_leader and kept.epoch == held.epoch
+    assert "database is locked" in kept.store_error
+    renewed = leases.claim(owner="a", previous=kept, clock=fake_clock)
+    assert renewed.is_leader and not renewed.store_error and renewed.epoch == held.epoch
+
+
+def test_a_fenced_block_waits_for_sqlites_write_lock_only_until_its_deadline(
+    fake_clock: FakeClock,
+) -> None:
+    """[L14] A fenced block that cannot take the write lock before its holder's deadline
+    fails as a store error (the tick is aborted, nothing written), not after the busy
+    timeout."""
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's one write lock; PostgreSQL locks rows")
+    usual = busy_timeout_ms()
+    held = leases.claim(owner="a", renew_deadline=0.3, clock=fake_clock)
+    with sqlite_write_lock_held():
+        with pytest.raises(DatabaseError, match="locked"), leases.fenced(held, clock=fake_clock):
+            write_event("behind the lock")
+        assert busy_timeout_ms() == usual
+    assert not Event.objects.exists()
+    with leases.fenced(held, clock=fake_clock):
+        write_event("after the lock")
+    assert Event.objects.filter(message="after the lock").count() == 1
 
 
 def test_a_restarted_control_plane_takes_a_released_lease_at_once() -> None:
