@@ -21,7 +21,12 @@ failover; and the CPU of one routing decision by the cache (``bench/routing_cost
 table is printed and written as JSON to ``$BENCH_JSON`` (default
 ``var/bench.json``).
 
-    python -m bench [--quick]
+``--baseline DIR`` (or ``BENCH_BASELINE=DIR``) prices a change side by side: one more target,
+L2-baseline, is llmgw's web process started as L2 is but running the code checked out in DIR
+(an earlier commit), taking its turn right after L2 in the latency, streaming and knee rounds;
+the table adds rows "L2 vs L2-baseline".
+
+    python -m bench [--quick] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ def diagnostics_rss(stack: Stack) -> dict[str, float]:
     return {name: stack.targets[name].rss_mib() for name in ("L2", "L2-no-diagnostics")}
 
 
-def run(quick: bool) -> dict[str, Any]:
-    stack = setup()
+def run(quick: bool, baseline: Path | None = None) -> dict[str, Any]:
+    stack = setup(baseline)
+    pair = ("L2", "L2-baseline") if baseline else ()
     try:
         # The load generator on uvloop, as the servers: its own cost per read is a share of
         # every figure at L0, and beside the engine on one core, the less the better.
@@ -57,7 +63,11 @@ def run(quick: bool) -> dict[str, Any]:
         step: Callable[[Awaitable[Any]], Any] = loop.run_until_complete
         report: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count(), "pinned": PINNING}
         report["litellm_skipped"] = stack.skipped.get("litellm", "")
-        report["latency"] = step(latency_rounds(stack, 3 if quick else 7, 200 if quick else 400))
+        if baseline:
+            report["baseline"] = stack.baseline
+        report["latency"] = step(
+            latency_rounds(stack, 3 if quick else 7, 200 if quick else 400, keep_rounds=pair)
+        )
         report["diagnostics_rss_mib"] = diagnostics_rss(stack)
         report["streaming"] = step(stream_rounds(stack, 3 if quick else 5, 10 if quick else 40))
         rates = [MIN_KNEE_RATE, 100, 150, 200, 300, 400, 600, 800, 1000, 1300, 1600, 2000]
@@ -92,8 +102,18 @@ def run(quick: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=os.environ.get("BENCH_BASELINE") or None,
+        metavar="DIR",
+        help="also run L2 on the llmgw code checked out in DIR, side by side ($BENCH_BASELINE)",
+    )
     args = parser.parse_args()
-    report = run(args.quick)
+    baseline = args.baseline.resolve() if args.baseline else None
+    if baseline and not (baseline / "llmgw_site" / "webserver.py").is_file():
+        parser.error(f"--baseline {baseline}: not an llmgw tree (no llmgw_site/webserver.py)")
+    report = run(args.quick, baseline)
     report["summary"] = [
         {"figure": f, "measured": m, "goal": g, "reached": ok} for f, m, g, ok in summarize(report)
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from bench.load import KNEE_TARGETS
@@ -105,6 +106,7 @@ def summarize(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]
             report["routing"]["decision_cpu_us"] <= 30,
         ),
         *server_rows(report),
+        *baseline_rows(report),
         *litellm_rows(report),
         (
             "leader killed: new leader / next placement",
@@ -181,6 +183,52 @@ def server_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None
     ]
 
 
+def baseline_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """L2 and L2-baseline (the same web process on an earlier tree's code) side by side, each
+    figure as L2's / the baseline's and the difference, when the run had a baseline."""
+    lat, stream = report["latency"], report["streaming"]
+    if "L2-baseline" not in lat:
+        return []
+    ours, theirs = lat["L2"], lat["L2-baseline"]
+    l0 = lat["L0"]
+
+    def pair(now: float, then: float, unit: str = "ms") -> str:
+        """L2's / the baseline's, and L2's minus the baseline's in microseconds."""
+        if unit == "ms":
+            return f"{now:.3f} / {then:.3f} ms, {(now - then) * 1000:+.0f} us"
+        return f"{now:.1f} / {then:.1f} {unit}, {now - then:+.1f} {unit}"
+
+    # Each round's p50 L2 minus the baseline's: both took their turns in it, one after the
+    # other, so the round's drift hits both; their spread is the noise of the difference.
+    paired = [
+        (a - b) * 1000 for a, b in zip(ours["p50_rounds_ms"], theirs["p50_rounds_ms"], strict=True)
+    ]
+    knees = report["throughput"]["knee_rps"]
+    knee_now, knee_then = knees.get("L2", 0), knees.get("L2-baseline", 0)
+    s0, s2, sb = stream["L0"], stream["L2"], stream["L2-baseline"]
+    figures = [
+        ("added p50 c=1", pair(ours["p50_ms"] - l0["p50_ms"], theirs["p50_ms"] - l0["p50_ms"])),
+        (
+            "p50 per round: median (range)",
+            f"{statistics.median(paired):+.0f} us ({min(paired):+.0f} to {max(paired):+.0f})",
+        ),
+        ("added p99 c=1", pair(ours["p99_ms"] - l0["p99_ms"], theirs["p99_ms"] - l0["p99_ms"])),
+        ("CPU per request", pair(ours["cpu_ms_per_request"], theirs["cpu_ms_per_request"])),
+        (
+            "added TTFT p99 (stream)",
+            pair(s2["ttft_p99_ms"] - s0["ttft_p99_ms"], sb["ttft_p99_ms"] - s0["ttft_p99_ms"]),
+        ),
+        ("gap between chunks p99", pair(s2["gap_p99_ms"], sb["gap_p99_ms"])),
+        ("CPU per relayed SSE event", pair(s2["cpu_us_per_event"], sb["cpu_us_per_event"], "us")),
+        (
+            "throughput knee",
+            f"{knee_now} / {knee_then} rps"
+            + (f" = {knee_now / knee_then:.2f}" if knee_then else ""),
+        ),
+    ]
+    return [(f"L2 vs L2-baseline: {figure}", measured, "", None) for figure, measured in figures]
+
+
 def litellm_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     lat = report["latency"]
     if "litellm" not in lat:
@@ -213,6 +261,9 @@ def litellm_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool | Non
 
 def print_table(report: dict[str, Any]) -> None:
     lat, stream = report["latency"], report["streaming"]
+    if "baseline" in report:
+        told = report["baseline"]
+        print(f"\nL2-baseline: the code in {told['dir']} at {told['commit']}; {told['store']}")
     print("\nper target (non-streamed c=1, median of rounds)")
     print(f"{'target':18} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/req':>11}")
     for name, row in lat.items():

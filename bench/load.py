@@ -9,6 +9,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Collection
 from typing import Any
 
 import aiohttp
@@ -38,7 +39,12 @@ async def one_request(
     return time.perf_counter() - started
 
 
-async def latency_rounds(stack: Stack, rounds: int, per_round: int) -> dict[str, Any]:
+async def latency_rounds(
+    stack: Stack, rounds: int, per_round: int, keep_rounds: Collection[str] = ()
+) -> dict[str, Any]:
+    """Requests one at a time, the targets taking turns each round: the median of the rounds'
+    p50 and p99, and CPU per request; each round's own for the targets in ``keep_rounds``
+    (two compared round by round, since a round's drift hits both)."""
     body = json.dumps(CHAT).encode()
     results: dict[str, dict[str, list[float]]] = {n: {"p50": [], "p99": []} for n in stack.targets}
     cpu = dict.fromkeys(stack.targets, 0.0)
@@ -57,7 +63,7 @@ async def latency_rounds(stack: Stack, rounds: int, per_round: int) -> dict[str,
                 counted[name] += per_round
                 results[name]["p50"].append(percentile(samples, 0.5))
                 results[name]["p99"].append(percentile(samples, 0.99))
-    return {
+    out: dict[str, Any] = {
         name: {
             "p50_ms": statistics.median(r["p50"]) * 1000,
             "p99_ms": statistics.median(r["p99"]) * 1000,
@@ -65,6 +71,10 @@ async def latency_rounds(stack: Stack, rounds: int, per_round: int) -> dict[str,
         }
         for name, r in results.items()
     }
+    for name in keep_rounds:
+        for q in ("p50", "p99"):
+            out[name][f"{q}_rounds_ms"] = [value * 1000 for value in results[name][q]]
+    return out
 
 
 async def one_stream(
@@ -79,7 +89,10 @@ async def one_stream(
     async with session.post(
         target.url + "/v1/chat/completions",
         data=body,
-        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        headers={
+            "Authorization": f"Bearer {target.key or key}",
+            "Content-Type": "application/json",
+        },
     ) as response:
         async for chunk in response.content.iter_any():
             now = time.perf_counter()
@@ -104,7 +117,7 @@ async def stream_rounds(stack: Stack, rounds: int, per_round: int) -> dict[str, 
         {**CHAT, "max_tokens": 20, "stream": True, "sim": {"itl_ms": 5, "ttft_ms": 5}}
     ).encode()
     instant = json.dumps({**CHAT, "max_tokens": 400, "stream": True}).encode()
-    names = [n for n in ("L0", "L1", "L2", "L2-granian") if n in stack.targets]
+    names = [n for n in ("L0", "L1", "L2", "L2-baseline", "L2-granian") if n in stack.targets]
     ttft: dict[str, list[float]] = {n: [] for n in names}
     gap: dict[str, list[float]] = {n: [] for n in names}
     cpu = dict.fromkeys(names, 0.0)
@@ -164,7 +177,7 @@ async def open_loop(
 
 # The lowest rate every target is stepped through; below it only the slow ones (LiteLLM's).
 MIN_KNEE_RATE = 50
-KNEE_TARGETS = ["L0", "L1", "L2", "L1-granian", "L2-granian", "L2-daphne", "litellm"]
+KNEE_TARGETS = ["L0", "L1", "L2", "L2-baseline", "L1-granian", "L2-granian", "L2-daphne", "litellm"]
 
 
 async def knee(

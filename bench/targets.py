@@ -1,5 +1,6 @@
 """What ``make bench`` measures: the ``sim`` engine (L0) and every server in front of it, each
-started, pinned to its CPU and kept in a :class:`Stack`, over a fresh SQLite store with one key.
+started, pinned to its CPU and kept in a :class:`Stack`, over a fresh SQLite store with one key;
+with a baseline tree, one more: L2 running that tree's code (``L2-baseline``).
 """
 
 from __future__ import annotations
@@ -8,12 +9,14 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import fresh_store
+from llmgw_site import launcher
 from tests.harness.procs import Proc, free_port, web_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +61,7 @@ class Stack:
     targets: dict[str, Target]
     procs: list[Proc] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    baseline: dict[str, str] = field(default_factory=dict)  # which tree L2-baseline runs
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -158,8 +162,9 @@ def start_engine(stack: Stack, env: dict[str, str]) -> Proc:
     return sim
 
 
-def start_targets(stack: Stack, env: dict[str, str]) -> None:
-    """The engine (L0) and every gateway in front of it, each kept in ``stack`` as it starts."""
+def start_targets(stack: Stack, env: dict[str, str], baseline: Path | None = None) -> None:
+    """The engine (L0) and every gateway in front of it, each kept in ``stack`` as it starts;
+    L2-baseline right after L2, so that in every round the two take their turns side by side."""
     sim = start_engine(stack, env)
     # Every gateway is the web server `manage.py run` starts (the launcher's argv); L1 and the
     # stock handler only serve another application on it.
@@ -175,6 +180,8 @@ def start_targets(stack: Stack, env: dict[str, str]) -> None:
         web = web_process(name, WORK, {**env, **extra}, app=app)
         stack.procs.append(pin(web, cpu=1))
         stack.targets[name] = Target(name, web.url, web)
+        if name == "L2" and baseline is not None:
+            start_baseline(stack, env, baseline, sim)
     relay_env = {**env, "BENCH_UPSTREAM": sim.url}
 
     def keep(name: str, proc: Proc, key: str = "") -> None:
@@ -198,6 +205,84 @@ def start_targets(stack: Stack, env: dict[str, str]) -> None:
         )
 
 
+# Run by the baseline tree's own code (its directory the working one and the only one on
+# PYTHONPATH): the argv its launcher builds for a web process accepting on the descriptor
+# argv[1]; given a user, a model and an engine port, first its own store, migrated by its own
+# migrations, with a key of that user's and the model routed to that engine.
+BASELINE_SETUP = """
+import json, sys
+import django
+django.setup()
+from llmgw_site import launcher
+told = {"argv": launcher.web_command({"client": int(sys.argv[1])})}
+if len(sys.argv) > 2:
+    from django.core.management import call_command
+    from tests.harness.factories import make_key, serve_model
+    call_command("migrate", verbosity=0)
+    told["key"] = make_key(sys.argv[2])[0]
+    serve_model(sys.argv[3], [int(sys.argv[4])])
+print(json.dumps(told))
+"""
+
+
+def migrations(root: Path) -> dict[str, bytes]:
+    """Every app's migration files under ``root``, by path: two trees with the same files read
+    the same store."""
+    found = [*root.glob("*/migrations/*.py"), *root.glob("*/*/migrations/*.py")]
+    return {str(path.relative_to(root)): path.read_bytes() for path in found}
+
+
+def start_baseline(stack: Stack, env: dict[str, str], tree: Path, sim: Proc) -> None:
+    """L2 again, running ``tree``'s code: the web process its own launcher builds (this
+    virtualenv's Python, ``tree`` the working directory and PYTHONPATH, so every import
+    resolves there), on the same server and settings, pinned with L2. It shares L2's store and
+    key when its migrations are ours; else it gets its own store, migrated by its own code
+    (its models may not read ours), with its own key and the same engine routed."""
+    # The tree is only read: Python's caches of its modules go beside the bench's files.
+    own_env = {**env, "PYTHONPATH": str(tree), "PYTHONPYCACHEPREFIX": str(WORK / "pycache")}
+    shared = migrations(tree) == migrations(REPO)
+    store_args: list[str] = []
+    store = "L2's store and key"
+    if not shared:
+        store = "a store and key of its own (its migrations differ from ours)"
+        var = WORK / "baseline"
+        var.mkdir(parents=True, exist_ok=True)
+        own_env.update(DATABASE_URL=f"sqlite:///{var / 'bench.sqlite3'}", LLMGW_VAR_DIR=str(var))
+        store_args = ["bench", MODEL, str(sim.port)]
+    listener = launcher.bind_listener("127.0.0.1", 0)
+    try:
+        made = subprocess.run(
+            [sys.executable, "-c", BASELINE_SETUP, str(listener.fileno()), *store_args],
+            check=False,  # its own errors are raised below, with what it said
+            cwd=tree,
+            env=own_env,
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode != 0:
+            raise RuntimeError(f"the baseline in {tree} did not set up:\n{made.stderr}")
+        told = json.loads(made.stdout.splitlines()[-1])
+        port = int(listener.getsockname()[1])
+        web = Proc("L2-baseline", told["argv"], WORK, own_env, port=port, cwd=tree)
+        web.start(pass_fds=(listener.fileno(),))
+    finally:
+        listener.close()
+    stack.procs.append(web)  # stopped with the others even if it never answers
+    pin(web.wait_answering(), cpu=1)
+    stack.targets["L2-baseline"] = Target("L2-baseline", web.url, web, told.get("key", ""))
+    commit = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+        check=False,  # a tree that is no git checkout has no commit to name
+        capture_output=True,
+        text=True,
+    )
+    stack.baseline = {
+        "dir": str(tree),
+        "commit": commit.stdout.strip(),
+        "store": store,
+    }
+
+
 def prepare() -> tuple[dict[str, str], str]:
     """A fresh SQLite store with one key; the environment every process gets."""
     return fresh_store(WORK, "bench")
@@ -218,9 +303,9 @@ def started(start: Callable[[Stack, dict[str, str]], object]) -> Stack:
     return stack
 
 
-def setup() -> Stack:
-    """The engine and every gateway in front of it."""
-    return started(start_targets)
+def setup(baseline: Path | None = None) -> Stack:
+    """The engine and every gateway in front of it; L2-baseline too, given a tree."""
+    return started(lambda stack, env: start_targets(stack, env, baseline))
 
 
 def setup_engine_and_gateway() -> Stack:
