@@ -36,8 +36,6 @@ from gateway.relay.exchange import (
 )
 from gateway.relay.routes import RelayRoute
 from gateway.responses import Response
-from gateway.routing import prefix
-from gateway.routing.choice import affinity_of
 from gateway.routing.upstreams import upstreams
 from telemetry import logs
 
@@ -145,14 +143,7 @@ async def _serve(ex: Exchange, raw: bytes, session: str | None) -> Response:
         # Reserved by the default for want of the context length: learn it for next time.
         ex.learn_context = body.max_tokens is None and context_length is None
     upstreams.note_request(route, None)
-    if ex.api_route.tag == "generation" and settings.LLMGW_ROUTING_POLICY == "cache_aware":
-        ex.blocks = prefix.blocks_of(
-            ex.api_route.kind,
-            body.data,
-            int(settings.LLMGW_ROUTING_BLOCK_BYTES),
-            int(settings.LLMGW_ROUTING_MAX_BLOCKS),
-        )
-        ex.affinity = affinity_of(body.data, session)
+    ex.session = session
     if not route.upstreams:
         if body.stream:
             # Headers go out now so keep-alive comments can hold the stream open while the

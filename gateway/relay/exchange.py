@@ -36,7 +36,7 @@ from gateway.relay.drain import drain
 from gateway.relay.routes import RelayRoute
 from gateway.relay.upstream_client import Pool
 from gateway.routing import prefix
-from gateway.routing.choice import Choice
+from gateway.routing.choice import Choice, affinity_of
 from gateway.routing.table import Route, Upstream
 from gateway.routing.upstreams import upstreams
 from telemetry import metrics
@@ -101,11 +101,14 @@ class Exchange:
     learn_context: bool = False  # ask the engine its context length once this request ends
     served_by: Upstream | None = None
     tried: set[str] = field(default_factory=set)
-    # Routing by the cache: the prompt's blocks, the session it names, and what the choice of
-    # the upstream that served it expected to be cached there (corrected by the engine's report).
+    # Routing by the cache: the session the client named (an x-session-id header), the
+    # prompt's blocks and session key (worked out once there is a choice to make), and what
+    # the choice expected to be cached where it went (corrected by the engine's report).
+    session: str | None = None
     blocks: prefix.PromptBlocks = prefix.NO_BLOCKS
     affinity: int | None = None
     predicted: int = 0
+    keyed: bool = False
 
     @property
     def request_id(self) -> str:
@@ -114,6 +117,8 @@ class Exchange:
     def choose(self) -> Choice | None:
         """The upstream for the next attempt: an untried one where any is left."""
         assert self.route is not None
+        if not self.keyed and len(self.route.upstreams) > 1:
+            self._key_prompt()
         blocks, affinity = self.blocks, self.affinity
         choice = upstreams.choose(
             self.route, self.tried, blocks=blocks, affinity=affinity
@@ -122,6 +127,24 @@ class Exchange:
             self.predicted = choice.predicted
             metrics.observe_route(self.route.name, choice.outcome)
         return choice
+
+    def _key_prompt(self) -> None:
+        """The prompt as blocks and the session it names: what routing by the cache places by
+        (generation requests only; embeddings and rerank keep no cache between requests)."""
+        self.keyed = True
+        if (
+            self.body is None
+            or self.api_route.tag != "generation"
+            or settings.LLMGW_ROUTING_POLICY != "cache_aware"
+        ):
+            return
+        self.blocks = prefix.blocks_of(
+            self.api_route.kind,
+            self.body.data,
+            int(settings.LLMGW_ROUTING_BLOCK_BYTES),
+            int(settings.LLMGW_ROUTING_MAX_BLOCKS),
+        )
+        self.affinity = affinity_of(self.body.data, self.session)
 
     def hold(self, upstream: Upstream) -> None:
         self.drop_hold()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -299,7 +300,7 @@ class Upstreams:
         """The upstream for one attempt (``gateway.routing.choice``), its prompt's blocks then
         expected there; by outstanding requests alone under the ``least_outstanding`` policy."""
         now = time.monotonic()
-        if settings.LLMGW_ROUTING_POLICY != "cache_aware":
+        if settings.LLMGW_ROUTING_POLICY != "cache_aware" or len(route.upstreams) < 2:
             upstream = choose(
                 route.upstreams,
                 self.outstanding,
@@ -320,10 +321,10 @@ class Upstreams:
             placement=Placement(
                 blocks.lead, affinity, self.mirrors.matches(_ids(route), blocks.keys), hot
             ),
-            bounds=Bounds(
-                float(settings.LLMGW_ROUTING_LOAD_FACTOR),
-                int(settings.LLMGW_ROUTING_LOAD_SLACK),
-                int(settings.LLMGW_ROUTING_COLD_SLACK),
+            bounds=_bounds(
+                settings.LLMGW_ROUTING_LOAD_FACTOR,
+                settings.LLMGW_ROUTING_LOAD_SLACK,
+                settings.LLMGW_ROUTING_COLD_SLACK,
             ),
             exclude=exclude,
             offset=next(self._rotation),
@@ -477,6 +478,12 @@ class Upstreams:
             return False
         self._stamped[key] = now
         return True
+
+
+@functools.lru_cache(maxsize=8)
+def _bounds(factor: float, slack: int, cold_slack: int) -> Bounds:
+    """The settings' bounds, made once (not per request) for the values they have."""
+    return Bounds(float(factor), int(slack), int(cold_slack))
 
 
 def _ids(route: Route) -> list[str]:
