@@ -44,6 +44,9 @@ from gateway.responses import Response
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
+# A request's traceparent and tracestate headers, as they came (None: not sent).
+TraceHeaders = tuple[bytes | None, bytes | None]
+NO_TRACE: TraceHeaders = (None, None)
 
 
 class BodyTooLarge(Exception):
@@ -112,12 +115,17 @@ async def _answer(
     body: bytes,
     clock_start: float,
     session: bytes | None,
+    *,
+    trace: TraceHeaders = NO_TRACE,
 ) -> Response:
     key = await _key_or_refusal(authorization)
     if isinstance(key, Response):
         return key
     named = session.decode("latin-1") if session else None
-    return await entry.relay(body, key, route, clock_start, session=named)
+    traceparent, tracestate = (value.decode("latin-1") if value else "" for value in trace)
+    return await entry.relay(
+        body, key, route, clock_start, session=named, traceparent=traceparent, tracestate=tracestate
+    )
 
 
 async def _key_or_refusal(authorization: bytes | None) -> KeyInfo | Response:
@@ -140,6 +148,7 @@ async def _relay(
     clock_start: float,
     *,
     session: bytes | None,
+    trace: TraceHeaders = NO_TRACE,
     receive: Receive,
     send: Send,
 ) -> None:
@@ -184,7 +193,7 @@ async def _relay(
     listen_later = loop.call_later(LISTEN_AFTER_S, start_listening)
     drain.requests.add(task)
     try:
-        answer = await _answer(route, authorization, body, clock_start, session)
+        answer = await _answer(route, authorization, body, clock_start, session, trace=trace)
         await send_answer(answer, tracked_send)
     except asyncio.CancelledError:
         if not hung_up and not drain.cut:
@@ -265,11 +274,18 @@ class V1App:
         limit = settings.LLMGW_MAX_BODY_BYTES
         authorization: bytes | None = None
         session: bytes | None = None  # x-session-id: requests that share one share a replica
+        # W3C trace context: the client's trace, which this request's span joins when traced.
+        traceparent: bytes | None = None
+        tracestate: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
             elif name == b"x-session-id":
                 session = value
+            elif name == b"traceparent":
+                traceparent = value
+            elif name == b"tracestate":  # may come in several lines: one list (RFC 9110)
+                tracestate = value if tracestate is None else tracestate + b"," + value
             elif name == b"content-length" and value.isdigit() and int(value) > limit:
                 await send_answer(_refused_body(), send)
                 return
@@ -283,7 +299,14 @@ class V1App:
         route = BY_PATH.get(scope["path"]) if scope["method"] == "POST" else None
         if route is not None:
             await _relay(
-                route, authorization, body, clock_start, session=session, receive=receive, send=send
+                route,
+                authorization,
+                body,
+                clock_start,
+                session=session,
+                trace=(traceparent, tracestate),
+                receive=receive,
+                send=send,
             )
         elif scope["path"] == "/v1/models" and scope["method"] == "GET":
             # Clients list models often (as a health check, too): no ninja, no Django.

@@ -39,6 +39,7 @@ from gateway.responses import Response
 from gateway.routing import prefix
 from gateway.routing.choice import affinity_of
 from gateway.routing.upstreams import upstreams
+from telemetry import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +54,30 @@ async def relay(
     api_route: RelayRoute,
     clock_start: float,
     session: str | None = None,
+    *,
+    traceparent: str = "",
+    tracestate: str = "",
 ) -> Response:
     """The request path after authentication, for one ``/v1`` call that goes to an engine.
-    ``session`` is the client's ``x-session-id`` header, if it sent one."""
+    ``session`` is the client's ``x-session-id`` header, if it sent one; ``traceparent`` and
+    ``tracestate`` its W3C trace context, which the request's span joins (tracing on)."""
     _start_background()
     request_id = new_request_id()
     usage = Usage(request_id, key.id, key.user_id, "", api_route.kind, time.time())
     ex = Exchange(api_route, key, usage, clock_start)
+    ex.trace = tracing.request(
+        api_route.kind,
+        api_route.path,
+        request_id,
+        clock_start,
+        traceparent=traceparent,
+        tracestate=tracestate,
+    )
     try:
         return await _serve(ex, body, session)
     except ApiError as error:
+        if ex.trace is not None:
+            ex.trace.error(error.code)
         ex.finish(error.status, error_reason(error))
         return error_response(error, request_id)
     except asyncio.CancelledError:
@@ -95,6 +110,8 @@ async def model_list(key: KeyInfo) -> Response:
 async def _serve(ex: Exchange, raw: bytes, session: str | None) -> Response:
     body = payload.inspect(raw, ex.api_route, max_items=int(settings.LLMGW_MAX_ITEMS))
     ex.body = body
+    if ex.trace is not None:
+        ex.trace.requested(body.model, stream=body.stream, max_tokens=body.max_tokens)
     ex.usage.model = body.model
     ex.usage.stream = body.stream
     table = await upstreams.ready()

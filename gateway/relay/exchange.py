@@ -39,7 +39,7 @@ from gateway.routing import prefix
 from gateway.routing.choice import Choice
 from gateway.routing.table import Route, Upstream
 from gateway.routing.upstreams import upstreams
-from telemetry import metrics
+from telemetry import metrics, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class Exchange:
     blocks: prefix.PromptBlocks = prefix.NO_BLOCKS
     affinity: int | None = None
     predicted: int = 0
+    # Its span (telemetry.tracing), when tracing is on: told what happens, ended by finish().
+    trace: tracing.RequestSpan | None = None
 
     @property
     def request_id(self) -> str:
@@ -190,6 +192,22 @@ class Exchange:
         )
         if self.reservation.counters:
             limits.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens)
+        if self.trace is not None:
+            self._end_trace(usage)
+
+    def _end_trace(self, usage: Usage) -> None:
+        """Its span ends with what its usage row says."""
+        assert self.trace is not None
+        self.trace.finish(
+            status=usage.status,
+            reason=usage.finish_reason,
+            model=usage.model,
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            source=usage.source,
+            ttft_ms=usage.ttft_ms,
+        )
 
     def _learn(self, upstream: Upstream, tokens: payload.Tokens) -> None:
         """What the engine said it had cached: the truth routing is corrected by, and the
