@@ -17,6 +17,7 @@ it fails, or with the request once its answer is relayed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -112,7 +113,9 @@ def _parent(traceparent: str, tracestate: str) -> context.Context:
 
 
 class Request:
-    """One ``/v1`` request's span and its attempts' (see the module docstring)."""
+    """One ``/v1`` request's span and its attempts' (see the module docstring). Attributes are
+    gathered as the request goes and set on each span once, as it ends: the SDK takes a lock
+    and checks every value on each set, which cost more than the spans themselves."""
 
     def __init__(
         self,
@@ -130,80 +133,74 @@ class Request:
         # The span began when the request arrived, not when this object was made.
         began = time.time_ns() - int((time.perf_counter() - clock_start) * 1e9)
         self.span = tracer.start_span(
-            self.operation,
-            context=parent,
-            kind=SpanKind.SERVER,
-            start_time=began,
-            attributes={
-                "gen_ai.operation.name": self.operation,
-                "http.request.method": "POST",
-                "url.path": path,
-                "llmgw.request_id": request_id,
-            },
+            self.operation, context=parent, kind=SpanKind.SERVER, start_time=began
         )
+        self.attributes: dict[str, AttributeValue] = {
+            "gen_ai.operation.name": self.operation,
+            "http.request.method": "POST",
+            "url.path": path,
+            "llmgw.request_id": request_id,
+        }
         self.context = trace.set_span_in_context(self.span, _ROOT)
         # The current span of the task serving the request (so its log lines name the trace).
         # Never detached: the task ends with the request, and its context with it (the count
         # task that may finish the request runs in a copy, where a detach would fail).
         context.attach(self.context)
         self.attempt_span: trace.Span | None = None
+        self.attempt_attributes: dict[str, AttributeValue] = {}
         self.attempts = 0
-        self.upstream = ""
-        self.outcome = ""
-        self.error_type = ""
 
     def requested(self, model: str, *, stream: bool, max_tokens: int | None) -> None:
         self.requested_model = model
-        self.span.set_attribute("gen_ai.request.model", model)
-        self.span.set_attribute("gen_ai.request.stream", stream)
+        self.attributes["gen_ai.request.model"] = model
+        self.attributes["gen_ai.request.stream"] = stream
         if max_tokens is not None:
-            self.span.set_attribute("gen_ai.request.max_tokens", max_tokens)
+            self.attributes["gen_ai.request.max_tokens"] = max_tokens
 
     def attempt(self, upstream_id: str, base_url: str, model: str, outcome: str) -> bytes:
-        if self.attempt_span is not None:  # the one before failed without saying so
-            self.attempt_span.end()
+        self._end_attempt()  # the one before failed without saying so
         self.attempts += 1
-        self.upstream, self.outcome = upstream_id, outcome
-        address = urlsplit(base_url)
-        attributes: dict[str, AttributeValue] = {
+        host, port = _address(base_url)
+        self.attempt_attributes = {
             "gen_ai.operation.name": self.operation,
             "gen_ai.request.model": model,
-            "server.address": address.hostname or "",
+            "server.address": host,
             "llmgw.upstream.id": upstream_id,
             "llmgw.route.outcome": outcome,
             "llmgw.attempt": self.attempts,
         }
-        if address.port is not None:
-            attributes["server.port"] = address.port
+        if port is not None:
+            self.attempt_attributes["server.port"] = port
+        # The request's span tells which upstream served it, and why: the last one tried.
+        self.attributes["llmgw.upstream.id"] = upstream_id
+        self.attributes["llmgw.route.outcome"] = outcome
         span = self.tracer.start_span(
-            f"upstream {upstream_id}", context=self.context, kind=SpanKind.CLIENT,
-            attributes=attributes,
-        )  # fmt: skip
+            f"upstream {upstream_id}", context=self.context, kind=SpanKind.CLIENT
+        )
         self.attempt_span = span
-        carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span, _ROOT))
-        # The SDK writes the traceparent itself and re-serializes the tracestate from what it
-        # parsed (W3C's character set, no line breaks), so these are safe as header lines.
-        return "".join(f"{name}: {value}\r\n" for name, value in carrier.items()).encode("ascii")
+        return _trace_context_lines(span.get_span_context())
 
     def attempt_answered(self, status: int) -> None:
-        if self.attempt_span is not None:
-            self.attempt_span.set_attribute("http.response.status_code", status)
+        self.attempt_attributes["http.response.status_code"] = status
 
     def attempt_failed(self, code: str, message: str) -> None:
+        self.attempt_attributes["error.type"] = code
+        self._end_attempt(Status(StatusCode.ERROR, message))
+
+    def _end_attempt(self, status: Status | None = None) -> None:
         span, self.attempt_span = self.attempt_span, None
         if span is not None:
-            span.set_attribute("error.type", code)
-            span.set_status(Status(StatusCode.ERROR, message))
+            span.set_attributes(self.attempt_attributes)
+            if status is not None:
+                span.set_status(status)
             span.end()
 
     def activation(self, seconds: float, outcome: str) -> None:
-        self.span.set_attribute("llmgw.activation.wait_s", seconds)
-        self.span.set_attribute("llmgw.activation.outcome", outcome)
+        self.attributes["llmgw.activation.wait_s"] = seconds
+        self.attributes["llmgw.activation.outcome"] = outcome
 
     def error(self, code: str) -> None:
-        self.error_type = code
-        self.span.set_attribute("error.type", code)
+        self.attributes["error.type"] = code
 
     def finish(
         self,
@@ -217,32 +214,50 @@ class Request:
         source: str,
         ttft_ms: float | None,
     ) -> None:
-        span = self.span
         failed = status >= 500 or reason in FAILED_REASONS
-        if self.attempt_span is not None:
-            if failed:
-                self.attempt_span.set_status(Status(StatusCode.ERROR, reason or str(status)))
-            self.attempt_span.end()
-            self.attempt_span = None
+        failure = Status(StatusCode.ERROR, reason or str(status)) if failed else None
+        self._end_attempt(failure)
+        attributes = self.attributes
+        attributes["http.response.status_code"] = status
+        attributes["llmgw.finish_reason"] = reason
+        if reason in MODEL_FINISH_REASONS:
+            attributes["gen_ai.response.finish_reasons"] = [reason]
+        if self.attempts:
+            attributes["gen_ai.response.model"] = model
+            attributes["gen_ai.usage.input_tokens"] = input_tokens
+            attributes["gen_ai.usage.output_tokens"] = output_tokens
+            attributes["gen_ai.usage.cache_read.input_tokens"] = cached_tokens
+            attributes["llmgw.usage.source"] = source
+            attributes["llmgw.retries"] = self.attempts - 1
+        if ttft_ms is not None:
+            attributes["gen_ai.response.time_to_first_chunk"] = ttft_ms / 1000
+        if failed:
+            attributes.setdefault("error.type", reason or str(status))
+        span = self.span
         if self.requested_model:
             span.update_name(f"{self.operation} {self.requested_model}")
-        span.set_attribute("http.response.status_code", status)
-        span.set_attribute("llmgw.finish_reason", reason)
-        if reason in MODEL_FINISH_REASONS:
-            span.set_attribute("gen_ai.response.finish_reasons", [reason])
-        if self.attempts:
-            span.set_attribute("gen_ai.response.model", model)
-            span.set_attribute("gen_ai.usage.input_tokens", input_tokens)
-            span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
-            span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached_tokens)
-            span.set_attribute("llmgw.usage.source", source)
-            span.set_attribute("llmgw.upstream.id", self.upstream)
-            span.set_attribute("llmgw.route.outcome", self.outcome)
-            span.set_attribute("llmgw.retries", self.attempts - 1)
-        if ttft_ms is not None:
-            span.set_attribute("gen_ai.response.time_to_first_chunk", ttft_ms / 1000)
-        if failed:
-            if not self.error_type:
-                span.set_attribute("error.type", reason or str(status))
-            span.set_status(Status(StatusCode.ERROR, reason or str(status)))
+        span.set_attributes(attributes)
+        if failure is not None:
+            span.set_status(failure)
         span.end()
+
+
+@functools.lru_cache(maxsize=1024)
+def _address(base_url: str) -> tuple[str, int | None]:
+    """An upstream's host and port (``server.address``, ``server.port``)."""
+    parts = urlsplit(base_url)
+    return parts.hostname or "", parts.port
+
+
+def _trace_context_lines(span_context: trace.SpanContext) -> bytes:
+    """The ``traceparent`` (and ``tracestate``) header lines that carry ``span_context`` to the
+    engine, as W3C Trace Context writes them (the propagator's format). The tracestate is the
+    client's as the SDK parsed and re-serialized it (W3C's character set, no line breaks), so
+    it is safe as a header line."""
+    lines = (
+        f"traceparent: 00-{span_context.trace_id:032x}-{span_context.span_id:016x}"
+        f"-{span_context.trace_flags:02x}\r\n"
+    )
+    if span_context.trace_state:
+        lines += f"tracestate: {span_context.trace_state.to_header()}\r\n"
+    return lines.encode("ascii")

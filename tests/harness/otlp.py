@@ -3,13 +3,18 @@
 It accepts ``POST /v1/traces`` (``application/x-protobuf``, plain, gzip or deflate), decodes
 each body as opentelemetry-proto's ``ExportTraceServiceRequest`` and keeps the spans with their
 resource's attributes; it answers as a collector does (an ``ExportTraceServiceResponse``), and
-415 for a body that is not protobuf, 400 for one that does not decode. ``keep=False`` (the
-benchmark's) only counts what came, so that decoding costs the load generator nothing.
+415 for a body that is not protobuf, 400 for one that does not decode; ``GET /stats`` says how
+many exports and bytes came. ``keep=False`` (the
+benchmark's) only counts what came; ``python -m tests.harness.otlp --port N --count-only`` is
+that one as a process of its own (``make bench``'s traced target exports to it).
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
+import json
+import signal
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -109,7 +114,7 @@ def _inflated(body: bytes, encoding: str) -> bytes:
 class Receiver:
     """The receiver (module docstring), serving in a thread of this process until closed."""
 
-    def __init__(self, *, keep: bool = True) -> None:
+    def __init__(self, *, keep: bool = True, port: int = 0) -> None:
         self.keep = keep
         self.spans: list[ReceivedSpan] = []
         self.posts = 0
@@ -128,6 +133,14 @@ class Receiver:
                     encoding = (self.headers.get("Content-Encoding") or "").lower()
                     self._answer(*receiver.take(_inflated(body, encoding)))
 
+            def do_GET(self) -> None:
+                if self.path != "/stats":
+                    self._answer(404, b"")
+                    return
+                with receiver._lock:
+                    stats = {"posts": receiver.posts, "bytes": receiver.received_bytes}
+                self._answer(200, json.dumps(stats).encode())
+
             def _answer(self, status: int, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -138,7 +151,7 @@ class Receiver:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
@@ -191,3 +204,22 @@ def otlp_receiver(*, keep: bool = True) -> Iterator[Receiver]:
         yield receiver
     finally:
         receiver.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="An OTLP/HTTP receiver on loopback.")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--count-only", action="store_true", help="count exports, decode none")
+    args = parser.parse_args()
+    receiver = Receiver(keep=not args.count_only, port=args.port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    receiver.close()
+    print(f"{receiver.posts} exports, {receiver.received_bytes} bytes, {len(receiver.spans)} spans")
+
+
+if __name__ == "__main__":
+    main()
