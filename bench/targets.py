@@ -179,11 +179,17 @@ def start_otlp_receiver(stack: Stack, env: dict[str, str]) -> str:
 
 
 def start_tracing_targets(stack: Stack, env: dict[str, str]) -> None:
-    """L2 with tracing on, exporting every span (the SDK's defaults otherwise); and, when
-    ``BENCH_BASELINE`` names a checkout of another commit (``git worktree add`` or ``git
-    archive``), L2 served from that code: tracing off against the code before it came."""
+    """L2 with tracing on, recording and exporting every span (the SDK's defaults otherwise),
+    and with 1% of the traces sampled (``parentbased_traceidratio``: what a busy deployment
+    would run); and, when ``BENCH_BASELINE`` names a checkout of another commit (``git worktree
+    add`` or ``git archive``), L2 served from that code: tracing off against the code before."""
     traced = {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": start_otlp_receiver(stack, env)}
-    targets = {"L2-traced": (traced, REPO)}
+    sampled = {
+        **traced,
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.01",
+    }
+    targets = {"L2-traced": (traced, REPO), "L2-traced-1%": (sampled, REPO)}
     baseline = os.environ.get("BENCH_BASELINE")
     if baseline:
         targets["L2-baseline"] = (env, Path(baseline).resolve())

@@ -3,7 +3,8 @@ same rows among the rest).
 
 Targets, each the web process ``manage.py run`` starts, on one CPU: L2 (tracing off), L2-traced
 (on: every request's span and its attempt's exported with the SDK's defaults to an OTLP/HTTP
-receiver that counts what it gets, ``tests.harness.otlp``), and, with
+receiver that counts what it gets, ``tests.harness.otlp``), L2-traced-1% (on, 1% of the traces
+sampled), and, with
 ``BENCH_BASELINE=<a checkout of an earlier commit>``, L2-baseline (that code, which has no
 tracing). Non-streamed requests one at a time, the targets taking turns each round
 (``bench.load.latency_rounds``); the figure is each web process's CPU per request, its
