@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from gateway.routing.choice import OUTCOMES
-from tests.harness.factories import make_key, make_model, serve_model
+from tests.harness.factories import Served, make_key, make_model, serve_model
 from tests.harness.live import (
     WEB_SETTINGS,
     Stack,
@@ -89,6 +89,14 @@ def client_context() -> tuple[str, str, str]:
     return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
+def serving(web: Proc, engines: list[Proc]) -> tuple[Served, str]:
+    """The model served by ``engines`` and routed by ``web``; a key that may use it."""
+    served = serve_model(MODEL, [sim.port for sim in engines])
+    key, _ = make_key("traced")
+    routed(web, key)
+    return served, key
+
+
 def routed(web: Proc, key: str, model: str = MODEL) -> None:
     """Until the web process routes ``model`` (lists it to this key)."""
     wait_until(lambda: model in [m.id for m in client(web, key).models.list().data])
@@ -136,9 +144,7 @@ def test_a_request_joins_the_clients_trace_and_its_attempt_carries_it_to_the_eng
     stack: tuple[Proc, list[Proc]], receiver: Receiver
 ) -> None:
     web, engines = stack
-    served = serve_model(MODEL, [sim.port for sim in engines])
-    key, _ = make_key("traced")
-    routed(web, key)
+    served, key = serving(web, engines)
     trace_id, client_span, traceparent = client_context()
     raw = client(web, key).chat.completions.with_raw_response.create(
         model=MODEL,
@@ -219,9 +225,7 @@ def test_each_retry_is_an_attempt_span_and_a_stream_records_its_first_token(
     stack: tuple[Proc, list[Proc]], receiver: Receiver
 ) -> None:
     web, engines = stack
-    serve_model(MODEL, [sim.port for sim in engines])
-    key, _ = make_key("traced")
-    routed(web, key)
+    _, key = serving(web, engines)
     for sim in engines:  # each engine refuses once: two attempts fail, the third is answered
         set_sim_faults(sim, times=1, fail=503)
     trace_id, client_span, traceparent = client_context()
@@ -296,9 +300,7 @@ def test_a_request_without_a_traceparent_starts_a_trace_of_its_own(
     stack: tuple[Proc, list[Proc]], receiver: Receiver
 ) -> None:
     web, engines = stack
-    serve_model(MODEL, [sim.port for sim in engines])
-    key, _ = make_key("traced")
-    routed(web, key)
+    _, key = serving(web, engines)
     raw = client(web, key).chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "no trace of mine"}]
     )

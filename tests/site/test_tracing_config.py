@@ -3,14 +3,12 @@ naming the variable, and that tracing off imports nothing of OpenTelemetry's tra
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from telemetry import tracing
-from tests.harness.procs import REPO_ROOT
+from tests.site.test_config import run_manage
 
 ENDPOINT = "http://collector:4318"
 
@@ -79,24 +77,10 @@ def test_what_tracing_cannot_honour_names_the_variable(environ: dict[str, str], 
 
 
 def test_a_process_with_a_bad_tracing_variable_does_not_start(tmp_path: Path) -> None:
-    code = "import django; django.setup()"
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "DJANGO_SETTINGS_MODULE": "llmgw_site.settings",
-            "LLMGW_VAR_DIR": str(tmp_path),
-            "SECRET_KEY": "x",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-        },
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode != 0
+    variables = {"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    result = run_manage({"LLMGW_VAR_DIR": str(tmp_path), "SECRET_KEY": "x", **variables}, "check")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
     assert "llmgw cannot start:" in result.stderr
     assert "OTEL_EXPORTER_OTLP_PROTOCOL='grpc'" in result.stderr
 
