@@ -21,6 +21,7 @@ import functools
 import os
 import time
 from collections.abc import Iterator, Mapping
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from opentelemetry import context, trace
@@ -49,6 +50,19 @@ FAILED_REASONS = frozenset({"upstream_error", "timeout", "interrupted", "error"}
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _ROOT = context.Context()
+
+
+class Ended(Protocol):
+    """What a request's span ends with: its usage row (``gateway.ledger.usage.Usage`` is one)."""
+
+    status: int
+    finish_reason: str
+    model: str  # the catalog's name
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    source: str  # where the counts came from: engine, tokenized, estimated
+    ttft_ms: float | None
 
 
 def resource_of(process: str) -> Resource:
@@ -202,18 +216,8 @@ class Request:
     def error(self, code: str) -> None:
         self.attributes["error.type"] = code
 
-    def finish(
-        self,
-        *,
-        status: int,
-        reason: str,
-        model: str,
-        input_tokens: int,
-        output_tokens: int,
-        cached_tokens: int,
-        source: str,
-        ttft_ms: float | None,
-    ) -> None:
+    def finish(self, usage: Ended) -> None:
+        status, reason = usage.status, usage.finish_reason
         failed = status >= 500 or reason in FAILED_REASONS
         failure = Status(StatusCode.ERROR, reason or str(status)) if failed else None
         self._end_attempt(failure)
@@ -223,14 +227,14 @@ class Request:
         if reason in MODEL_FINISH_REASONS:
             attributes["gen_ai.response.finish_reasons"] = [reason]
         if self.attempts:
-            attributes["gen_ai.response.model"] = model
-            attributes["gen_ai.usage.input_tokens"] = input_tokens
-            attributes["gen_ai.usage.output_tokens"] = output_tokens
-            attributes["gen_ai.usage.cache_read.input_tokens"] = cached_tokens
-            attributes["llmgw.usage.source"] = source
+            attributes["gen_ai.response.model"] = usage.model
+            attributes["gen_ai.usage.input_tokens"] = usage.prompt_tokens
+            attributes["gen_ai.usage.output_tokens"] = usage.completion_tokens
+            attributes["gen_ai.usage.cache_read.input_tokens"] = usage.cached_tokens
+            attributes["llmgw.usage.source"] = usage.source
             attributes["llmgw.retries"] = self.attempts - 1
-        if ttft_ms is not None:
-            attributes["gen_ai.response.time_to_first_chunk"] = ttft_ms / 1000
+        if usage.ttft_ms is not None:
+            attributes["gen_ai.response.time_to_first_chunk"] = usage.ttft_ms / 1000
         if failed:
             attributes.setdefault("error.type", reason or str(status))
         span = self.span

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from telemetry.otel import Tracing
+    from telemetry.otel import Ended, Tracing
 
 AttributeValue = str | bool | int | float | Sequence[str]
 
@@ -151,20 +151,9 @@ class RequestSpan(Protocol):
     def error(self, code: str) -> None:
         """The request was refused or failed with the gateway's error ``code``."""
 
-    def finish(
-        self,
-        *,
-        status: int,
-        reason: str,
-        model: str,
-        input_tokens: int,
-        output_tokens: int,
-        cached_tokens: int,
-        source: str,
-        ttft_ms: float | None,
-    ) -> None:
-        """The request ended (its usage row is made): its span, and an attempt's still open,
-        end with what it used."""
+    def finish(self, usage: Ended) -> None:
+        """The request ended with ``usage``, its usage row: its span, and an attempt's still
+        open, end with what it says."""
 
 
 def request(

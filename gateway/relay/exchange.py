@@ -193,21 +193,7 @@ class Exchange:
         if self.reservation.counters:
             limits.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens)
         if self.trace is not None:
-            self._end_trace(usage)
-
-    def _end_trace(self, usage: Usage) -> None:
-        """Its span ends with what its usage row says."""
-        assert self.trace is not None
-        self.trace.finish(
-            status=usage.status,
-            reason=usage.finish_reason,
-            model=usage.model,
-            input_tokens=usage.prompt_tokens,
-            output_tokens=usage.completion_tokens,
-            cached_tokens=usage.cached_tokens,
-            source=usage.source,
-            ttft_ms=usage.ttft_ms,
-        )
+            self.trace.finish(usage)  # its span ends with what its usage row says
 
     def _learn(self, upstream: Upstream, tokens: payload.Tokens) -> None:
         """What the engine said it had cached: the truth routing is corrected by, and the
