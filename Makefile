@@ -12,14 +12,14 @@ TEST_STAMP := $(VENV)/.installed-test
 LLAMA_STAMP := $(VENV)/.installed-llamacpp
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
-typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
+typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-tracing bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
 # The suite starts hundreds of Python processes. Where the environment says not to write
 # bytecode (PYTHONDONTWRITEBYTECODE=1), each of them compiled our modules again as it started
 # (docs/decisions.md, 'bytecode caches in the test passes'), and each pytest process the test
 # modules; the passes keep Python's caches (__pycache__, ignored by git).
 pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres: export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: proto dist run test venv audit lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-usage bench-agent-servers profile clean
+.PHONY: proto dist run test venv audit lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-tracing bench-usage bench-agent-servers profile clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -144,6 +144,11 @@ bench-fleet: $(TEST_STAMP)
 # What usage accounting costs per request (on vs off), alone and quickly.
 bench-accounting: $(RUN_STAMP)
 	$(PY) -m bench.accounting
+
+# What OpenTelemetry traces cost per request (on vs off), alone; BENCH_BASELINE=DIR adds the
+# code of another checkout (tracing off against the code before it). BENCH_TRACING_ARGS=--quick
+bench-tracing: $(RUN_STAMP)
+	$(PY) -m bench.tracing $(BENCH_TRACING_ARGS)
 
 # Usage at volume: 10 million rows in PostgreSQL (BENCH_POSTGRES_URL, a database it may drop and
 # create), then the dashboard JSON, /account/ and a budget check, timed.

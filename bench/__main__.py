@@ -10,11 +10,13 @@ drift hits all alike (see ``shared/BENCHMARK.md``):
 
 More targets price single choices: L2 with usage accounting off, L2 with the processes'
 diagnostics off (``LLMGW_DIAGNOSTICS=false``: what having them available costs), L2 with
-``/v1`` on Django's stock handler and middleware (what ``gateway.edge.asgi.V1App`` saves), and
-the servers side by side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian,
-and L2 on daphne (what ran the web processes before). Every uvicorn target is the web process
-``manage.py run`` starts (the launcher's command line); granian and daphne get their own stock
-command lines.
+``/v1`` on Django's stock handler and middleware (what ``gateway.edge.asgi.V1App`` saves), L2
+with OpenTelemetry traces on (L2-traced, exporting to an OTLP/HTTP receiver: ``bench/tracing.py``),
+with ``--baseline DIR`` L2 served from another checkout's code (L2-baseline), and the servers
+side by side: a raw-ASGI hello world (``bench/hello.py``), L1 and L2 on granian, and L2 on
+daphne (what ran the web processes before). Every uvicorn target is the web process ``manage.py
+run`` starts (the launcher's command line); granian and daphne get their own stock command
+lines.
 Gateway processes are pinned to CPU 1, the engine and the load generator to CPU 0 (not with
 ``BENCH_PIN=0``). Then the control plane's figures (``bench/control.py``): cold start and
 failover; and the CPU of one routing decision by the cache (``bench/routing_cost.py``). The

@@ -105,6 +105,7 @@ def summarize(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]
             "<= 30 us",
             report["routing"]["decision_cpu_us"] <= 30,
         ),
+        *tracing_rows(report),
         *server_rows(report),
         *baseline_rows(report),
         *litellm_rows(report),
@@ -131,6 +132,36 @@ def diagnostics_row(report: dict[str, Any]) -> tuple[str, str, str, bool | None]
         "<= +20 us, <= +5%",
         p50_us <= 20 and cpu <= 0.05,
     )
+
+
+def tracing_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """What traces cost a request's web process (its exporting thread included): on against
+    off, and off against the code before tracing came (``BENCH_BASELINE``, when given)."""
+    cpu = {name: row["cpu_ms_per_request"] for name, row in report["latency"].items()}
+    off = cpu["L2"]
+    rows: list[tuple[str, str, str, bool | None]] = []
+    if "L2-traced" in cpu:
+        on, sampled = cpu["L2-traced"], cpu["L2-traced-1%"]
+        rows.append(
+            (
+                "tracing on (all / 1% sampled) vs off, CPU/req",
+                f"{on:.3f} / {sampled:.3f} / {off:.3f} ms"
+                f" ({(on - off) * 1000:+.0f} / {(sampled - off) * 1000:+.0f} us)",
+                "",
+                None,
+            )
+        )
+    if "L2-baseline" in cpu:
+        before = cpu["L2-baseline"]
+        rows.append(
+            (
+                "tracing off vs before it (BENCH_BASELINE), CPU/req",
+                f"{off:.3f} / {before:.3f} ms ({(off - before) * 1000:+.0f} us)",
+                "",
+                None,
+            )
+        )
+    return rows
 
 
 def server_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:

@@ -162,6 +162,40 @@ def start_engine(stack: Stack, env: dict[str, str]) -> Proc:
     return sim
 
 
+def start_gateway(
+    stack: Stack, name: str, env: dict[str, str], *, app: str = "", cwd: Path = REPO
+) -> None:
+    """One web process as ``manage.py run`` starts it (serving ``app`` instead of llmgw's, or
+    ``cwd``'s code), on CPU 1, kept in ``stack`` as target ``name``."""
+    web = web_process(name, WORK, env, app=app, cwd=cwd)
+    stack.procs.append(pin(web, cpu=1))
+    stack.targets[name] = Target(name, web.url, web)
+
+
+def start_otlp_receiver(stack: Stack, env: dict[str, str]) -> str:
+    """An OTLP/HTTP receiver that counts what it gets and decodes none (``tests.harness.otlp``),
+    on CPU 0 beside the engine; what ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set to."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.harness.otlp", "--port", str(port), "--count-only"]
+    receiver = Proc("otlp", argv, WORK, env, port=port).start()
+    stack.procs.append(pin(receiver.wait_listening(), cpu=0))
+    return receiver.url + "/v1/traces"
+
+
+def start_tracing_targets(stack: Stack, env: dict[str, str]) -> None:
+    """L2 with tracing on, recording and exporting every span (the SDK's defaults otherwise),
+    and with 1% of the traces sampled (``parentbased_traceidratio``: what a busy deployment
+    would run)."""
+    traced = {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": start_otlp_receiver(stack, env)}
+    sampled = {
+        **traced,
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.01",
+    }
+    for name, target_env in (("L2-traced", traced), ("L2-traced-1%", sampled)):
+        start_gateway(stack, name, target_env)
+
+
 def start_targets(stack: Stack, env: dict[str, str], baseline: Path | None = None) -> None:
     """The engine (L0) and every gateway in front of it, each kept in ``stack`` as it starts;
     L2-baseline right after L2, so that in every round the two take their turns side by side."""
@@ -177,11 +211,10 @@ def start_targets(stack: Stack, env: dict[str, str], baseline: Path | None = Non
         "L2-stock-handler": ("bench.stock:app", {}),
     }
     for name, (app, extra) in variants.items():
-        web = web_process(name, WORK, {**env, **extra}, app=app)
-        stack.procs.append(pin(web, cpu=1))
-        stack.targets[name] = Target(name, web.url, web)
+        start_gateway(stack, name, {**env, **extra}, app=app)
         if name == "L2" and baseline is not None:
             start_baseline(stack, env, baseline, sim)
+    start_tracing_targets(stack, env)
     relay_env = {**env, "BENCH_UPSTREAM": sim.url}
 
     def keep(name: str, proc: Proc, key: str = "") -> None:
@@ -284,8 +317,10 @@ def start_baseline(stack: Stack, env: dict[str, str], tree: Path, sim: Proc) -> 
 
 
 def prepare() -> tuple[dict[str, str], str]:
-    """A fresh SQLite store with one key; the environment every process gets."""
-    return fresh_store(WORK, "bench")
+    """A fresh SQLite store with one key; the environment every process gets (without this
+    shell's OTEL_ variables: only the traced target traces)."""
+    env, key = fresh_store(WORK, "bench")
+    return {name: value for name, value in env.items() if not name.startswith("OTEL_")}, key
 
 
 def started(start: Callable[[Stack, dict[str, str]], object]) -> Stack:
@@ -308,13 +343,22 @@ def setup(baseline: Path | None = None) -> Stack:
     return started(lambda stack, env: start_targets(stack, env, baseline))
 
 
+def setup_tracing() -> Stack:
+    """The engine, L2, and the tracing targets (``bench.tracing``)."""
+
+    def start(stack: Stack, env: dict[str, str]) -> None:
+        start_engine(stack, env)
+        start_gateway(stack, "L2", env)
+        start_tracing_targets(stack, env)
+
+    return started(start)
+
+
 def setup_engine_and_gateway() -> Stack:
     """The engine and one llmgw web process (L2) only (``bench.profile``)."""
 
     def start(stack: Stack, env: dict[str, str]) -> None:
         start_engine(stack, env)
-        web = web_process("L2", WORK, env)
-        stack.procs.append(pin(web, cpu=1))
-        stack.targets["L2"] = Target("L2", web.url, web)
+        start_gateway(stack, "L2", env)
 
     return started(start)

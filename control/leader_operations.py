@@ -26,6 +26,7 @@ from django.utils import timezone
 from control import gateway_counts, leases, lifecycle, nudges, placement
 from control.leases import Leadership
 from control.models import Event, Node, Profile, ProfileScale, Replica, ServedModel, Shard
+from telemetry import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,27 @@ def create_replica(
     raises LeadershipLost when the fence refuses it. ``node_ids`` maps the placement's node
     names to their ids when the caller has them (the tick's snapshot); else they are read."""
     profile = profile or model.default_profile
+    attributes = {
+        "llmgw.model": model.name,
+        "llmgw.profile": profile.name,
+        "llmgw.placement.reason": reason,
+        "llmgw.placement.nodes": sorted({s.node for s in where.shards}),
+    }
+    with tracing.span("place replica", attributes) as span:
+        replica_id = _create_replica(lead, model, where, reason, profile, node_ids=node_ids)
+        span.set_attribute("llmgw.replica.id", replica_id)
+        return replica_id
+
+
+def _create_replica(
+    lead: Leadership,
+    model: ServedModel,
+    where: placement.Placement,
+    reason: str,
+    profile: Profile,
+    *,
+    node_ids: Mapping[str, int] | None,
+) -> int:
     if node_ids is None:
         names = [s.node for s in where.shards]
         node_ids = dict(Node.objects.filter(name__in=names).values_list("name", "pk"))

@@ -32,7 +32,7 @@ from gateway.relay.drain import drain  # noqa: E402
 from gateway.responses import Response, whole  # noqa: E402
 from llmgw_site import listeners  # noqa: E402
 from llmgw_site.views import scrape  # noqa: E402
-from telemetry import metrics  # noqa: E402
+from telemetry import metrics, tracing  # noqa: E402
 
 # Where daphne serves (it spools a whole body before the application sees any of it), /v1
 # bodies get a guard inside daphne itself; other servers never load Twisted.
@@ -146,12 +146,15 @@ COUNTS_GRACE_S = 10.0
 
 
 async def lifespan(receive: Receive, send: Send) -> None:
-    """Startup needs nothing (everything starts with the first request). At shutdown, once
-    the server has finished the requests in flight, store the usage rows and counters now
+    """Startup starts this process's tracing, if the environment asks for it (here, in the
+    process that serves: a server may fork its workers after loading the application);
+    everything else starts with the first request. At shutdown, once the server has finished
+    the requests in flight, store the usage rows and counters and export the queued spans now
     rather than leave them to the interpreter's exit, which a server may skip in its workers."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            tracing.start("web")
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             metrics.write_tallies()
@@ -160,5 +163,6 @@ async def lifespan(receive: Receive, send: Send) -> None:
                 async with asyncio.timeout(COUNTS_GRACE_S):
                     await exchange.counts_settled()
             await sync_to_async(recorder.close)()
+            await asyncio.to_thread(tracing.shutdown)  # the last batch's export may take a while
             await send({"type": "lifespan.shutdown.complete"})
             return

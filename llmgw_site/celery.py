@@ -1,4 +1,5 @@
-"""The Celery application: beat ticks the reconciler, the worker runs it (leader-gated)."""
+"""The Celery application: beat ticks the reconciler, the worker runs it (leader-gated); with
+tracing on (``telemetry.tracing``), each of their processes exports its own spans."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import os
 from typing import Any
 
 from celery import Celery, signals
+from celery.signals import beat_init, worker_process_init, worker_process_shutdown, worker_shutdown
 from django.conf import settings
 from django.utils import log
 from kombu.transport import TRANSPORT_ALIASES
 
 from llmgw_site import broker
 from llmgw_site.diagnostics import process as diagnostics
+from telemetry import tracing
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw_site.settings")
 # The embedded default's broker (settings: CELERY_BROKER_URL): kombu's filesystem transport
@@ -46,3 +49,23 @@ def answer_diagnostics(**kwargs: Any) -> None:
 # it had loaded at start (gateway.routing.upstreams): Celery's objects are kept out of the cyclic
 # collector's full scans too.
 gc.freeze()
+
+
+@worker_process_init.connect
+def trace_worker(**kwargs: Any) -> None:
+    """Traces from the process that runs the tasks (the pool's child, after its fork; the worker
+    itself with the solo pool), if the environment asks for them: the reconciler's ticks."""
+    tracing.start("worker")
+
+
+@beat_init.connect
+def trace_beat(**kwargs: Any) -> None:
+    """Beat makes no span of its own today; started so that what it may trace is exported."""
+    tracing.start("beat")
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def export_queued_spans(**kwargs: Any) -> None:
+    """A clean stop exports the spans still queued (beat's exit does it at exit)."""
+    tracing.shutdown()

@@ -39,7 +39,10 @@ Faults come from the command line (``--fail-rate``, ``--hang-rate``, ``--crash-a
 ``"sim": {...}`` object in a request body (``fail``, ``retry_after``, ``hang``,
 ``fail_after_tokens``, ``ttft_ms``, ``itl_ms``, ``output_tokens``, ``cached_tokens``,
 ``crash``) and from ``POST /sim/faults`` (the same keys, plus ``times``) for tests that cannot
-change the body. Standard library only; uvloop is used where it happens to be importable.
+change the body. ``GET /sim/trace-context`` lists the W3C trace context (``traceparent``,
+``tracestate``) of the last inference requests that carried one, newest last: what an engine
+that traces (vLLM) would have joined. Standard library only; uvloop is used where it happens
+to be importable.
 
 Modules: ``config`` (the flags), ``prompts`` (tokens and the chat template), ``kvcache`` (the
 block pool, pure), ``scheduler`` (admission, prefill, preemption), ``planning`` (validation as

@@ -19,6 +19,7 @@ import random
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import replace
 from typing import Any, Final
 
@@ -55,6 +56,7 @@ CRASH_EXIT_CODE: Final = 70  # EX_SOFTWARE: the engine died, as its supervisor s
 VLLM_VERSION: Final = "0.11.0+sim"
 # Paths that need the API key when one is set (vLLM guards /v1 the same way).
 _KEYED_PATHS: Final = ("/v1/", "/sim/")
+TRACE_CONTEXTS_KEPT: Final = 256
 
 
 async def _sleep_until(deadline: float) -> None:
@@ -93,6 +95,8 @@ class SimServer:
         self._stopping = False
         self._created = int(time.time())
         self._bearer = f"Bearer {config.api_key}".encode()
+        # The trace context of the last inference requests that had one (/sim/trace-context).
+        self.trace_contexts: deque[dict[str, str]] = deque(maxlen=TRACE_CONTEXTS_KEPT)
         inference = {"POST": self._inference}
         self._routes = {
             "/health": {"GET": self._health},
@@ -101,6 +105,7 @@ class SimServer:
             "/metrics": {"GET": self._metrics},
             "/v1/models": {"GET": self._models},
             "/sim/faults": {"GET": self._faults, "POST": self._faults, "DELETE": self._faults},
+            "/sim/trace-context": {"GET": self._trace_context},
         } | {path: inference for path in KINDS}
         if config.tokenize:
             self._routes["/tokenize"] = {"POST": self._tokenize}
@@ -286,6 +291,9 @@ class SimServer:
             self.set_faults(NO_FAULTS)
         conn.respond(200, dumps({"faults": self.faults.as_json(), "times": self.faults_times}))
 
+    def _trace_context(self, conn: Connection, request: Request) -> None:
+        conn.respond(200, dumps({"received": list(self.trace_contexts)}))
+
     def _tokenize(self, conn: Connection, request: Request) -> None:
         """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` (and ``tools``) rendered
         as the chat route renders them; answers the count, the ids and the context length."""
@@ -321,6 +329,11 @@ class SimServer:
     def _inference(self, conn: Connection, request: Request) -> None:
         body = json_body(request)
         self._require_ready()
+        traceparent = request.headers.get("traceparent")
+        if traceparent is not None:  # as vLLM reads it, to join the caller's trace
+            received = {"traceparent": traceparent}
+            received["tracestate"] = request.headers.get("tracestate", "")
+            self.trace_contexts.append(received)
         faults = self._faults_for(body)
         self.stats.inference_requests += 1
         config = self.config

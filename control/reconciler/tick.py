@@ -44,6 +44,7 @@ from control.reconciler.snapshot import (
     read_snapshot,
     replica_request,
 )
+from telemetry import tracing
 
 # The share of a tick's budget the scaling step has however long the snapshot took.
 MIN_SCALING_SHARE = 0.25
@@ -79,7 +80,20 @@ def tick(
     wave of hundreds of activations would make one tick last seconds; past the budget the tick
     stops between two models and the next one goes on after ``resume_after``. The budget
     counts from the tick's start (a slow read of the fleet leaves less for placing), but the
-    scaling step always has a quarter of it, so a loaded store still sees progress."""
+    scaling step always has a quarter of it, so a loaded store still sees progress. With
+    tracing on, the tick is a span (each placement a child: ``create_replica``)."""
+    with tracing.span("reconcile tick", {"llmgw.lease.epoch": lead.epoch}) as span:
+        result = _tick(lead, now, budget=budget, resume_after=resume_after)
+        span.set_attribute("llmgw.tick.placed", result.placed)
+        span.set_attribute("llmgw.tick.changed", result.changed)
+        if result.resume_after is not None:
+            span.set_attribute("llmgw.tick.resume_after_model", result.resume_after)
+        return result
+
+
+def _tick(
+    lead: Leadership, now: datetime | None, *, budget: float | None, resume_after: int | None
+) -> TickResult:
     started = time.monotonic()
     now = now or timezone.now()
     with leases.fenced(lead):

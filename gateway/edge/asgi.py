@@ -44,6 +44,9 @@ from gateway.responses import Response
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
+# A request's traceparent and tracestate headers, as they came (None: not sent).
+TraceHeaders = tuple[bytes | None, bytes | None]
+NO_TRACE: TraceHeaders = (None, None)
 
 
 class BodyTooLarge(Exception):
@@ -113,14 +116,16 @@ async def _answer(
     clock_start: float,
     session: bytes | None,
     *,
-    traceparent: bytes | None,
+    trace: TraceHeaders = NO_TRACE,
 ) -> Response:
     key = await _key_or_refusal(authorization)
     if isinstance(key, Response):
         return key
     named = session.decode("latin-1") if session else None
-    trace = traceparent.decode("latin-1") if traceparent else None
-    return await entry.relay(body, key, route, clock_start, session=named, traceparent=trace)
+    traceparent, tracestate = (value.decode("latin-1") if value else "" for value in trace)
+    return await entry.relay(
+        body, key, route, clock_start, session=named, traceparent=traceparent, tracestate=tracestate
+    )
 
 
 async def _key_or_refusal(authorization: bytes | None) -> KeyInfo | Response:
@@ -143,7 +148,7 @@ async def _relay(
     clock_start: float,
     *,
     session: bytes | None,
-    traceparent: bytes | None,
+    trace: TraceHeaders = NO_TRACE,
     receive: Receive,
     send: Send,
 ) -> None:
@@ -188,9 +193,7 @@ async def _relay(
     listen_later = loop.call_later(LISTEN_AFTER_S, start_listening)
     drain.requests.add(task)
     try:
-        answer = await _answer(
-            route, authorization, body, clock_start, session, traceparent=traceparent
-        )
+        answer = await _answer(route, authorization, body, clock_start, session, trace=trace)
         await send_answer(answer, tracked_send)
     except asyncio.CancelledError:
         if not hung_up and not drain.cut:
@@ -271,7 +274,9 @@ class V1App:
         limit = settings.LLMGW_MAX_BODY_BYTES
         authorization: bytes | None = None
         session: bytes | None = None  # x-session-id: requests that share one share a replica
-        traceparent: bytes | None = None  # W3C trace context: the request's log lines carry it
+        # W3C trace context: the client's trace, which this request's span joins when traced.
+        traceparent: bytes | None = None
+        tracestate: bytes | None = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
@@ -279,6 +284,8 @@ class V1App:
                 session = value
             elif name == b"traceparent":
                 traceparent = value
+            elif name == b"tracestate":  # may come in several lines: one list (RFC 9110)
+                tracestate = value if tracestate is None else tracestate + b"," + value
             elif name == b"content-length" and value.isdigit() and int(value) > limit:
                 await send_answer(_refused_body(), send)
                 return
@@ -297,7 +304,7 @@ class V1App:
                 body,
                 clock_start,
                 session=session,
-                traceparent=traceparent,
+                trace=(traceparent, tracestate),
                 receive=receive,
                 send=send,
             )

@@ -87,7 +87,10 @@ async def _activations(ex: Exchange, route: Route) -> AsyncIterator[Route | None
                 yield None
     finally:
         upstreams.leave_waiting_slot(catalog_id)
-        metrics.observe_activation_wait(route.name, time.monotonic() - began, outcome)
+        waited = time.monotonic() - began
+        metrics.observe_activation_wait(route.name, waited, outcome)
+        if ex.trace is not None:
+            ex.trace.activation(waited, outcome)
 
 
 async def wait_for_activation(ex: Exchange, route: Route) -> Route:

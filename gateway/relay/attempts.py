@@ -23,9 +23,10 @@ from gateway.errors import ApiError
 from gateway.relay.exchange import Deadlines, Exchange, pool, upstream_request_id
 from gateway.relay.upstream_client import Dropped, Unreachable, UpstreamError
 from gateway.relay.upstream_client import Response as UpstreamResponse
+from gateway.routing.choice import Choice
 from gateway.routing.table import Upstream
 from gateway.routing.upstreams import upstreams
-from telemetry import metrics
+from telemetry import metrics, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,11 @@ async def open_upstream(ex: Exchange) -> Opened:
             metrics.observe_retry(ex.route.name, last.code)
         ex.tried.add(upstream.id)
         try:
-            outcome = await _attempt(ex, upstream, deadlines)
+            outcome = await (
+                _attempt(ex, upstream, deadlines)
+                if ex.trace is None
+                else _traced_attempt(ex, choice, deadlines, ex.trace)
+            )
         except ApiError as error:  # not retried: a timeout, or a failure mid-answer
             metrics.observe_upstream_error(ex.route.name, error.code)
             raise
@@ -103,10 +108,30 @@ async def open_upstream(ex: Exchange) -> Opened:
     raise last
 
 
-async def _attempt(
-    ex: Exchange, upstream: Upstream, deadlines: Deadlines
+async def _traced_attempt(
+    ex: Exchange, choice: Choice, deadlines: Deadlines, trace: tracing.RequestSpan
 ) -> Opened | tuple[ApiError, float | None]:
-    """One try. A retryable failure comes back as (error, seconds to wait or None)."""
+    """One try under a span of its own, whose context goes to the engine with the request."""
+    assert ex.route is not None
+    upstream = choice.upstream
+    headers = trace.attempt(upstream.id, upstream.base_url, ex.route.name, choice.outcome)
+    try:
+        outcome = await _attempt(ex, upstream, deadlines, headers)
+    except ApiError as error:
+        trace.attempt_failed(error.code, error.message)
+        raise
+    if isinstance(outcome, Opened):
+        trace.attempt_answered(outcome.response.status)
+    else:
+        trace.attempt_failed(outcome[0].code, outcome[0].message)
+    return outcome
+
+
+async def _attempt(
+    ex: Exchange, upstream: Upstream, deadlines: Deadlines, trace_headers: bytes = b""
+) -> Opened | tuple[ApiError, float | None]:
+    """One try. A retryable failure comes back as (error, seconds to wait or None);
+    ``trace_headers`` are the attempt's trace context lines, when it is traced."""
     assert ex.body is not None
     ex.hold(upstream)
     headers = _UPSTREAM_STREAM_HEADERS if ex.body.stream else _UPSTREAM_HEADERS
@@ -119,7 +144,11 @@ async def _attempt(
                 upstream,
                 ex.api_route.path,
                 ex.body.forward_body,
-                headers + b"X-Request-Id: " + upstream_request_id(ex.request_id) + b"\r\n",
+                headers
+                + b"X-Request-Id: "
+                + upstream_request_id(ex.request_id)
+                + b"\r\n"
+                + trace_headers,
                 connect_timeout=deadlines.connect,
             )
             status = response.status

@@ -37,7 +37,7 @@ from gateway.relay.exchange import (
 from gateway.relay.routes import RelayRoute
 from gateway.responses import Response
 from gateway.routing.upstreams import upstreams
-from telemetry import logs
+from telemetry import logs, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +53,31 @@ async def relay(
     clock_start: float,
     session: str | None = None,
     *,
-    traceparent: str | None = None,
+    traceparent: str = "",
+    tracestate: str = "",
 ) -> Response:
     """The request path after authentication, for one ``/v1`` call that goes to an engine.
-    ``session`` is the client's ``x-session-id`` header, ``traceparent`` its W3C trace context,
-    if it sent them."""
+    ``session`` is the client's ``x-session-id`` header, if it sent one; ``traceparent`` and
+    ``tracestate`` its W3C trace context, which the request's span joins (tracing on)."""
     _start_background()
     request_id = new_request_id()
     # Every line logged from here on (and by what this request starts) names it.
     logs.begin_request(request_id, traceparent)
     usage = Usage(request_id, key.id, key.user_id, "", api_route.kind, time.time())
     ex = Exchange(api_route, key, usage, clock_start)
+    ex.trace = tracing.request(
+        api_route.kind,
+        api_route.path,
+        request_id,
+        clock_start,
+        traceparent=traceparent,
+        tracestate=tracestate,
+    )
     try:
         return await _serve(ex, body, session)
     except ApiError as error:
+        if ex.trace is not None:
+            ex.trace.error(error.code)
         ex.finish(error.status, error_reason(error))
         return error_response(error, request_id)
     except asyncio.CancelledError:
@@ -99,6 +110,8 @@ async def model_list(key: KeyInfo) -> Response:
 async def _serve(ex: Exchange, raw: bytes, session: str | None) -> Response:
     body = payload.inspect(raw, ex.api_route, max_items=int(settings.LLMGW_MAX_ITEMS))
     ex.body = body
+    if ex.trace is not None:
+        ex.trace.requested(body.model, stream=body.stream, max_tokens=body.max_tokens)
     ex.usage.model = body.model
     ex.usage.stream = body.stream
     table = await upstreams.ready()

@@ -39,7 +39,7 @@ from gateway.routing import prefix
 from gateway.routing.choice import Choice, affinity_of
 from gateway.routing.table import Route, Upstream
 from gateway.routing.upstreams import upstreams
-from telemetry import metrics
+from telemetry import metrics, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ class Exchange:
     affinity: int | None = None
     predicted: int = 0
     keyed: bool = False
+    # Its span (telemetry.tracing), when tracing is on: told what happens, ended by finish().
+    trace: tracing.RequestSpan | None = None
 
     @property
     def request_id(self) -> str:
@@ -213,6 +215,8 @@ class Exchange:
         )
         if self.reservation.counters:
             limits.settle(self.reservation, usage.prompt_tokens + usage.completion_tokens)
+        if self.trace is not None:
+            self.trace.finish(usage)  # its span ends with what its usage row says
 
     def _learn(self, upstream: Upstream, tokens: payload.Tokens) -> None:
         """What the engine said it had cached: the truth routing is corrected by, and the

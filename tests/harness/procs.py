@@ -225,17 +225,19 @@ def web_process(
     port: int = 0,
     access_log: bool = False,
     app: str = "",
+    cwd: Path = REPO_ROOT,
 ) -> Proc:
     """A web process started as ``manage.py run`` starts each of its own: the launcher binds
     the listening socket and builds the server's argv; the child accepts on the inherited
     descriptor. Our copy of the socket is closed once the child has it, so when the process
     dies, connections are refused as they would be in production. ``app`` serves another
-    ASGI application on the same server (the benchmark's baselines)."""
+    ASGI application on the same server (the benchmark's baselines); ``cwd`` another checkout's
+    code (the benchmark's ``BENCH_BASELINE``)."""
     listener = launcher.bind_listener("127.0.0.1", port)
     try:
         bound = int(listener.getsockname()[1])
         argv = launcher.web_command({"client": listener.fileno()}, access_log=access_log, app=app)
-        proc = Proc(name, argv, log_dir, env, port=bound)
+        proc = Proc(name, argv, log_dir, env, port=bound, cwd=cwd)
         proc.start(pass_fds=(listener.fileno(),))
     finally:
         listener.close()

@@ -10,6 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from control.reconciler.runner import process_reconciler, run_loop
+from telemetry import tracing
 
 
 class Command(BaseCommand):
@@ -32,6 +33,7 @@ class Command(BaseCommand):
     def handle(
         self, *args: Any, once: bool, loop: bool, interval: float | None, **opts: Any
     ) -> None:
+        tracing.start("reconciler")  # exports at exit (telemetry.tracing's atexit hook)
         if once:
             result = process_reconciler().run_once()
             process_reconciler().shutdown()
