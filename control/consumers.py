@@ -224,9 +224,9 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
 
     async def dispatch(self, message: dict[str, Any]) -> None:
         """Channels' dispatch without its ``aclose_old_connections()`` before every message:
-        that is a hop to the one thread-sensitive sync thread for each frame of each agent
-        (measured at 1,000 nodes, while 500 agents reconnected to one web process: a fifth of
-        its event loop's busy samples, and every frame queued on that thread). This consumer
+        that is a hop to the one thread-sensitive sync thread for each frame of each agent, and
+        under a storm of reconnecting agents every frame queued on that thread (docs/decisions.md,
+        'no per-message hop to the sync thread'). This consumer
         uses the store only through the session's executors, which close or give back their
         connections around each call, so there is nothing of its own to close."""
         handler = getattr(self, get_handler_name(message), None)

@@ -2,13 +2,12 @@
 listening sockets ``manage.py run`` binds and hands down.
 
 Chosen by measurement (``make bench``, the server rows): uvicorn with uvloop and httptools
-spends the least CPU per request of the servers measured side by side, for a hello world,
-the floor relay and llmgw alike (about half of granian's for the first two, a little less
-for llmgw, and half of daphne's), and CPU per request is what bounds a web process's
-throughput. It serves Channels' WebSocket consumers as well, so one kind of process carries
-every listener: measured against daphne on the agents' streams (``make bench-agent-servers``),
-it took 500 nodes dialling at once with about 40% less CPU and 20% less memory, and daphne's
-lower cost on steady heartbeats (about 15%) does not pay for a second kind of process.
+spends the least CPU per request of the servers measured side by side, and CPU per request is
+what bounds a web process's throughput (docs/decisions.md, 'web server'). It serves Channels'
+WebSocket consumers as well, so one kind of process carries every listener: against daphne on
+the agents' streams it took a storm of dialling nodes with less CPU and memory, which its
+slightly higher cost on steady heartbeats does not outweigh (docs/decisions.md, 'agent
+streams on the web server').
 
 Several of them accept on one shared socket (not ``SO_REUSEPORT``): a connection waiting in
 the backlog is taken by whichever process is accepting, so a process that stops accepting
@@ -215,9 +214,9 @@ def build_config(
         http=client_deadlines.protocol(header_timeout, body_timeout),
         ws="websockets-sansio",
         ws_max_size=WS_MAX_BYTES,
-        # The agents' frames are small JSON on a private network: compressing each one cost
-        # CPU on both ends (7% of a web process's event-loop samples while 500 agents
-        # reconnected to it).
+        # The agents' frames are small JSON on a private network: compressing each one costs
+        # CPU on both ends and saves nothing (docs/decisions.md, 'no compression on agent
+        # WebSockets').
         ws_per_message_deflate=False,
         lifespan="on",
         access_log=access_log,

@@ -15,8 +15,9 @@ without pulling in each other. What is read from the store at scrape time (the f
 The request path calls the ``observe_*`` functions below. Model labels must be catalog names
 (or ``UNKNOWN_MODEL``), never a string a client sent, so a client cannot grow the label set.
 ``observe_request``, called once per request, only adds to an in-memory tally; the event loop
-writes the tally to the shared files about once a second (writing them per request cost
-14-18 us of CPU, measured). A process killed with ``kill -9`` loses at most that last second
+writes the tally to the shared files about once a second (writing them per request cost more
+CPU than the rest of the count: docs/decisions.md, 'request counters tallied in memory'). A
+process killed with ``kill -9`` loses at most that last second
 of request counts, never a usage row (those are journaled, see ``gateway.ledger.usage``).
 """
 

@@ -3,9 +3,9 @@ one write per request, responses parsed by httptools (llhttp, the parser under N
 
 It does only what a relay needs: POST a body, read the status and headers, then the body whole
 or piece by piece as it arrives. No redirects, cookies, proxies, compression or retries of its
-own (``gateway.relay.attempts`` decides retries, per phase deadlines and ejections). Measured
-against aiohttp in the same raw-ASGI relay, same run, uvicorn, ``sim`` upstream: 115-200 us of
-CPU per request against 255-375 us, and ~0.1 ms less added latency at p50.
+own (``gateway.relay.attempts`` decides retries, per phase deadlines and ejections). Chosen
+over aiohttp by measurement, side by side in one relay: less CPU per request and less added
+latency (docs/decisions.md, 'upstream client').
 
 Connections get ``TCP_NODELAY`` (small SSE events are not held back by Nagle's algorithm),
 idle ones are reused for ``keepalive_s`` (sooner than engines close them: uvicorn, under vLLM
