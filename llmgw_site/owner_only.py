@@ -31,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 UMASK: Final = 0o077
 _OTHERS: Final = 0o077  # the group and other bits: what tightening takes off
-# Never follows a link (ELOOP instead), never waits on a FIFO, never opens a socket (ENXIO).
-_OPEN: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _NAMED_IN_THE_LOG: Final = 20
 
 
@@ -100,18 +98,28 @@ def _outermost(paths: Iterable[Path]) -> list[Path]:
 def _tighten_named(
     path: Path, name: str, folder_fd: int | None, closed: list[tuple[Path, int]]
 ) -> None:
+    # By name, never by opening it: a process that holds an SQLite connection to the store
+    # loses the store's locks when it closes any descriptor of the file (POSIX record locks
+    # go with the first close), and its next statement finds the database broken. The folder
+    # is ours and already owner-only (walked from the top), so a link cannot be swapped in
+    # between the look and the change.
     try:
-        fd = os.open(name, _OPEN, dir_fd=folder_fd)
+        info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
     except OSError as exc:
-        # Gone meanwhile, a link (its mode means nothing, its target is not ours to change) or
-        # a socket: nothing to close.
-        if exc.errno not in {errno.ENOENT, errno.ELOOP, errno.ENXIO}:
+        if exc.errno != errno.ENOENT:
             logger.warning("cannot check who may open %s: %s", path, exc.strerror)
         return
+    mode = stat.S_IMODE(info.st_mode)
+    # A link's mode means nothing (its target is not ours to change); sockets and the like
+    # are left as their servers made them.
+    if not stat.S_ISREG(info.st_mode) or not mode & _OTHERS:
+        return
     try:
-        _tighten_open(path, fd, closed)
-    finally:
-        os.close(fd)
+        os.chmod(name, mode & ~_OTHERS, dir_fd=folder_fd)
+    except OSError as exc:
+        logger.warning("cannot make %s owner-only (mode %04o): %s", path, mode, exc.strerror)
+        return
+    closed.append((path, mode))
 
 
 def _tighten_open(path: Path, fd: int, closed: list[tuple[Path, int]]) -> None:

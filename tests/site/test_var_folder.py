@@ -9,6 +9,7 @@ with the embedded default's store (SQLite under the var folder)."""
 from __future__ import annotations
 
 import logging
+import stat
 import re
 import signal
 import subprocess
@@ -224,3 +225,39 @@ def test_a_store_outside_the_var_folder_is_closed_with_its_wal_and_journal(
     closed = owner_only.tighten(files)  # the -shm and -journal do not exist: nothing to do
     assert sorted(path.name for path, _ in closed) == ["llmgw.sqlite3", "llmgw.sqlite3-wal"]
     assert mode(files[0]) == mode(files[1]) == 0o600
+
+
+def test_closing_a_store_never_opens_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``manage.py run`` tightens the store in a process that may hold SQLite connections to
+    it (tests call it in-process): POSIX record locks go with the first close of any descriptor
+    of the file, so opening and closing the store there dropped that process's SQLite locks, and
+    the next writer of another process corrupted what it read ("disk I/O error"). Files are
+    changed by name, never opened."""
+    import os
+
+    from llmgw_site import owner_only
+
+    store = tmp_path / "store.sqlite3"
+    for name in ("store.sqlite3", "store.sqlite3-wal", "store.sqlite3-shm"):
+        (tmp_path / name).write_bytes(b"x")
+        (tmp_path / name).chmod(0o644)
+    opened: list[str] = []
+    real_open = os.open
+
+    def watching_open(path: object, *args: object, **kwargs: object) -> int:
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", watching_open)
+    closed = owner_only.tighten(
+        owner_only.store_files({"ENGINE": "django.db.backends.sqlite3", "NAME": str(store)})
+    )
+    assert {p.name for p, _ in closed} == {
+        "store.sqlite3",
+        "store.sqlite3-wal",
+        "store.sqlite3-shm",
+    }
+    assert not [p for p in opened if "store.sqlite3" in p]
+    assert all(stat.S_IMODE((tmp_path / p.name).stat().st_mode) == 0o600 for p, _ in closed)
