@@ -9,9 +9,9 @@ with the embedded default's store (SQLite under the var folder)."""
 from __future__ import annotations
 
 import logging
-import stat
 import re
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
