@@ -237,7 +237,9 @@ def test_the_llmgw_wheel_runs_from_any_directory_and_answers_healthz(
         [str(bin_dir / "llmgw"), "help"], cwd=elsewhere, env=env, capture_output=True,
         text=True, check=True,
     )  # fmt: skip
-    assert re.search(r"\[llmgw_site\]\s+export_catalog\s+import_catalog\s+run", commands.stdout)
+    ours = re.search(r"\[llmgw_site\]\n((?:    \S+\n)+)", commands.stdout)
+    assert ours is not None, commands.stdout
+    assert {"export_catalog", "import_catalog", "migrate", "run"} <= set(ours.group(1).split())
 
     port = free_port()
     run = Proc("llmgw-run", [str(bin_dir / "llmgw"), "run", "--port", str(port)],
