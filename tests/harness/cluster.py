@@ -47,6 +47,7 @@ from tests.harness.procs import (
     port_window,
     web_process,
 )
+from tests.harness.proxy import TcpProxy
 from tests.harness.redis import RedisServer
 from tests.harness.store import child_env, execute_now
 
@@ -67,78 +68,6 @@ FAST = {
     "LLMGW_LOG_LEVEL": "INFO",
     "LLMGW_IDLE_LINGER": "0.5",  # a stop does not wait out the test's idle client connections
 }
-
-
-class TcpProxy:
-    """A loopback TCP forwarder that can cut every connection through it, for "this host lost
-    the database, the others did not" (a partition of one process, not of the store)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(64)
-        self.port = int(self.listener.getsockname()[1])
-        self.cut_off = threading.Event()
-        self.sockets: list[socket.socket] = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.cut_off.is_set():
-                client.close()
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.sockets += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        """End every connection at once (both sides see it closed or reset, as when a
-        firewall starts rejecting) and refuse new ones until :meth:`restore`."""
-        self.cut_off.set()
-        with self.lock:
-            for sock in self.sockets:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(
-                        socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
-                    )
-                # A thread blocked in recv() on this socket keeps it open through close();
-                # shutdown() wakes it, so the far end learns now, not at the next write.
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            self.sockets.clear()
-
-    def restore(self) -> None:
-        self.cut_off.clear()
-
-    def close(self) -> None:
-        self.cut()
-        self.listener.close()
 
 
 WEBSOCKET = "websocket"
@@ -173,6 +102,7 @@ class ControlPlane:
     worker: Proc | None = None
     beat: Proc | None = None
     proxy: TcpProxy | None = None
+    reconciler_proxy: TcpProxy | None = None  # the worker's and beat's own, when asked for
     transport: str = WEBSOCKET
     agent_port: int = 0  # the gRPC listener's; the web port for WebSocket
     grpc: Proc | None = None
@@ -209,6 +139,16 @@ class ControlPlane:
         for proc in (self.web, self.grpc):
             if proc is not None:
                 proc.stop()
+
+
+def _store_proxy(env: dict[str, str]) -> TcpProxy | None:
+    """A proxy between the processes of ``env`` and the test's PostgreSQL, their
+    ``DATABASE_URL`` pointed at it (None on SQLite: a file has no connection to cut)."""
+    if connection.vendor != "postgresql":
+        return None
+    proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
+    env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
+    return proxy
 
 
 def agent_url(transport: str, port: int) -> str:
@@ -311,12 +251,15 @@ class Cluster:
         *,
         reconciler: bool = True,
         via_proxy: bool = False,
+        reconciler_via_proxy: bool = False,
         port: int = 0,
         agent_port: int = 0,
         **settings: str,
     ) -> ControlPlane:
         """A control plane on the test database; ``via_proxy`` routes its store connections
-        through a :class:`TcpProxy` (PostgreSQL) so that the test can cut this host off. Over
+        through a :class:`TcpProxy` (PostgreSQL) so that the test can cut this host off, and
+        ``reconciler_via_proxy`` those of its worker and beat through one of their own (the
+        lease path alone). Over
         gRPC it also runs the agent listener (on ``agent_port``), with mutual TLS required."""
         assert self.redis is not None, "start_redis() first"
         name = f"cp{len(self.control_planes) + 1}"
@@ -333,10 +276,7 @@ class Cluster:
         env = child_env(
             REDIS_URL=self.redis.url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
         )
-        proxy = None
-        if via_proxy and connection.vendor == "postgresql":
-            proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
-            env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
+        proxy = _store_proxy(env) if via_proxy else None
         plane = ControlPlane(name, var, env, port, proxy=proxy, transport=self.transport)
         self.control_planes.append(plane)
         plane.web = web_process(f"{name}-web", var / "logs", env, port=port)
@@ -345,6 +285,9 @@ class Cluster:
             plane.agent_port = agent_port or free_port()
             plane.grpc = grpc_listener(f"{name}-grpc", var / "logs", env, plane.agent_port)
         if reconciler:
+            env = dict(env)
+            if reconciler_via_proxy:
+                plane.reconciler_proxy = _store_proxy(env)
             # As ``manage.py run`` starts them, plus task events (-E) for TaskEvents.
             worker = celery_argv("worker", "--pool", "solo", "-n", f"{name}@%h", "-E")
             plane.worker = Proc(f"{name}-worker", worker, var / "logs", env).start()
@@ -442,8 +385,9 @@ class Cluster:
         for plane in self.control_planes:
             for service in plane.services():
                 service.stop()
-            if plane.proxy is not None:
-                plane.proxy.close()
+            for proxy in (plane.proxy, plane.reconciler_proxy):
+                if proxy is not None:
+                    proxy.close()
         # Engines of an agent that was killed outlive it (on purpose); end them here.
         for agent in self.agents.values():
             for pids in agent.engines().values():
