@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import DatabaseError, transaction
@@ -42,8 +41,10 @@ hash_key: Final = API_KEY.hash
 well_formed: Final = API_KEY.well_formed
 # Bounds the cache against a flood of random keys; overflowing clears it (cheap, rare).
 _CACHE_MAX = 50_000
-# How long past its TTL a cached key is still trusted while the store cannot be reached.
+# How long past its TTL a cached key is still trusted while the store cannot be reached...
 STALE_FOR_S = 600.0
+# ...and how long a request with such a key waits for its reload before it goes on with it.
+KNOWN_KEY_WAIT_S = 0.5
 # A key a request used within this long is kept loaded (see KeyCache), up to this many (the
 # most recently used): each reload is four queries a 500 keys, every third of the TTL. The
 # batch that reloads them runs at most every MIN_REFRESH_S, whatever the TTL.
@@ -174,11 +175,10 @@ _BATCH = 500
 
 
 def _load_many(key_hashes: list[str]) -> dict[str, KeyInfo | None]:
-    """What the store says of each key now; None for a hash no key has. Runs in the database
-    thread (see gateway.dbthread): four queries for up to ``_BATCH`` keys, each on its own
-    tables rather than one join of them all (for the reason in
-    control.serving.routing_snapshot: no lock cycle with DDL or TRUNCATE)."""
-    dbthread.ready()
+    """What the store says of each key now; None for a hash no key has. Runs in a lane of
+    gateway.dbthread: four queries for up to ``_BATCH`` keys, each on its own tables rather
+    than one join of them all (for the reason in control.serving.routing_snapshot: no lock
+    cycle with DDL or TRUNCATE)."""
     found: dict[str, KeyInfo | None] = dict.fromkeys(key_hashes)
     for at in range(0, len(key_hashes), _BATCH):
         rows = list(
@@ -260,11 +260,13 @@ class KeyCache:
     cannot turn into a flood of queries.
 
     An entry is trusted for ``LLMGW_KEY_CACHE_TTL`` seconds; past that a lookup waits for a
-    fresh load, so a revocation takes effect within the TTL. So that no request waits for the
-    database on a key in use, the keys requests used within ``KEEP_WARM_S`` are reloaded
-    together, in one batch, every third of the TTL (``_keep_warm``): measured under ``make
-    bench``, a stream whose key had just aged out waited 3-5 ms more for its first token (the
-    key's queries in the database thread), the slowest first token in a hundred. A key used
+    fresh load, so a revocation takes effect within the TTL (up to ``KNOWN_KEY_WAIT_S`` of it:
+    a store slower than that delays a revocation until the load lands, never a request). So
+    that no request waits for the database on a key in use, the keys requests used within
+    ``KEEP_WARM_S`` are reloaded together, in one batch, every third of the TTL
+    (``_keep_warm``): measured under ``make bench``, a stream whose key had just aged out
+    waited 3-5 ms more for its first token (the key's queries in the database thread), the
+    slowest first token in a hundred. A key used
     less often than the TTL but within ``KEEP_WARM_S`` is in that set too, so its request is
     not that one. And should the batch fall behind, a request that finds its entry past half
     of the TTL still gets the cached answer and reloads it behind it (once).
@@ -295,6 +297,12 @@ class KeyCache:
                 self._load(key_hash)  # behind the answer: a reload already running is reused
             return entry[0]
         try:
+            if entry is not None and now - entry[1] < ttl + STALE_FOR_S:
+                # A key seen recently waits only so long for its reload: past that the store
+                # is slow or away, and the reload carries on behind the cached answer.
+                loading = self._load(key_hash)
+                done, _ = await asyncio.wait({loading}, timeout=KNOWN_KEY_WAIT_S)
+                return loading.result() if done else entry[0]
             # Shielded: a waiter whose client hangs up must not cancel the others' load.
             return await asyncio.shield(self._load(key_hash))
         except DatabaseError:
@@ -322,7 +330,7 @@ class KeyCache:
 
     async def _load_and_store(self, key_hash: str) -> KeyInfo | None:
         loaded_at = self._clock()
-        info = await sync_to_async(_load)(key_hash)
+        info = await dbthread.for_request(_load, key_hash)
         self._store(key_hash, info, loaded_at)
         if info is not None:
             self._used[key_hash] = loaded_at
@@ -354,7 +362,7 @@ class KeyCache:
             due = sorted(due, key=self._used.__getitem__)[-KEEP_WARM_MAX:]
         if not due:
             return 0
-        found = await sync_to_async(_load_many)(due)
+        found = await dbthread.in_background(_load_many, due)
         for key_hash, info in found.items():
             self._store(key_hash, info, now)
         return len(found)

@@ -24,13 +24,13 @@ import asyncio
 import calendar
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any, Protocol
 
 import redis as redis_sync
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from redis import asyncio as redis_asyncio
@@ -293,7 +293,6 @@ class _Refused(Exception):
 
 
 def _take_in_store(counters: Sequence[Counter]) -> Counter | None:
-    dbthread.ready()
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             for c in counters:
@@ -308,14 +307,20 @@ def _take_in_store(counters: Sequence[Counter]) -> Counter | None:
 
 
 def _adjust_in_store(counters: Sequence[Counter], delta: int) -> None:
-    dbthread.ready()
     with transaction.atomic(), connection.cursor() as cursor:
         for c in counters:
             cursor.execute(_ADJUST_SQL, [delta, c.name])
 
 
+def _give_back_in_store(counters: Sequence[Counter], refused: Counter | None) -> None:
+    """Undo a take whose request was answered 503 before the store answered it."""
+    if refused is None:
+        with transaction.atomic(), connection.cursor() as cursor:
+            for c in counters:
+                cursor.execute(_ADJUST_SQL, [-c.amount, c.name])
+
+
 def purge_expired(now: float) -> int:
-    dbthread.ready()
     with connection.cursor() as cursor:
         cursor.execute(_PURGE_SQL, [now - 60])
         return int(cursor.rowcount)
@@ -366,6 +371,10 @@ def raise_counters(counters: Sequence[Counter]) -> int:
 
 
 class DatabaseStore:
+    """Counters in the store: a request waits for its take (and, every ``PURGE_EVERY_S``, the
+    purge of ended windows before it) in the request lane of ``gateway.dbthread``, refused at
+    once while the store is unreachable; corrections go to the background lane."""
+
     PURGE_EVERY_S = 300.0
 
     def __init__(self) -> None:
@@ -375,11 +384,13 @@ class DatabaseStore:
         now = time.time()
         if now >= self._next_purge:
             self._next_purge = now + self.PURGE_EVERY_S
-            await sync_to_async(purge_expired)(now)
-        return await sync_to_async(_take_in_store)(counters)
+            await dbthread.for_request(purge_expired, now)
+        return await dbthread.for_request(
+            _take_in_store, counters, undo=partial(_give_back_in_store, counters)
+        )
 
     async def adjust(self, counters: Sequence[Counter], delta: int) -> None:
-        await sync_to_async(_adjust_in_store)(counters, delta)
+        await dbthread.in_background(_adjust_in_store, counters, delta)
 
 
 _store: Store | None = None
@@ -415,7 +426,21 @@ async def reserve(key: KeyInfo, tokens: int, now: float | None = None) -> Reserv
     return Reservation(counters, tokens)
 
 
-_background: set[asyncio.Task[None]] = set()
+_background: set[asyncio.Task[Any]] = set()
+
+
+def _in_background(work: Coroutine[Any, Any, Any]) -> None:
+    """Run ``work`` off the request path; its failure is logged, never raised."""
+    task = asyncio.get_running_loop().create_task(_logged(work))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _logged(work: Coroutine[Any, Any, Any]) -> None:
+    try:
+        await work
+    except DatabaseError as exc:
+        logger.warning("limit counters: background work failed: %s", type(exc).__name__)
 
 
 def settle(reservation: Reservation, used_tokens: int) -> None:
@@ -424,9 +449,7 @@ def settle(reservation: Reservation, used_tokens: int) -> None:
     delta = used_tokens - reservation.reserved_tokens
     if not token_counters or delta == 0:
         return
-    task = asyncio.get_running_loop().create_task(_adjust(token_counters, delta))
-    _background.add(task)
-    task.add_done_callback(_background.discard)
+    _in_background(_adjust(token_counters, delta))
 
 
 async def _adjust(counters: Sequence[Counter], delta: int) -> None:

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import (
@@ -196,10 +195,11 @@ def store_id() -> str:
 
 
 def store_rows(records: Iterable[Usage], directory: Path | None = None) -> int:
-    """Write rows that are not there yet (runs in the database thread). Returns how many rows
-    were dealt with: stored, or refused by the store and set aside in the dead-letter journal
-    under ``directory`` (default: the journal folder). Raises only when the store cannot be
-    reached, leaving the rows to be tried again."""
+    """Write rows that are not there yet (in the background lane of gateway.dbthread, or at
+    exit and in ``replay_usage``). Returns how many rows were dealt with: stored, or refused by
+    the store and set aside in the dead-letter journal under ``directory`` (default: the
+    journal folder). Raises only when the store cannot be reached, leaving the rows to be tried
+    again."""
     dbthread.ready()
     records = list(records)
     if not records:
@@ -475,7 +475,7 @@ class Recorder:
             if now >= next_sweep:
                 next_sweep = now + SWEEP_EVERY_S
                 try:
-                    await sync_to_async(sweep)(self.directory())
+                    await dbthread.in_background(sweep, self.directory())
                 except Exception:
                     logger.exception("usage journal sweep failed")
             try:
@@ -497,12 +497,12 @@ class Recorder:
     async def flush(self) -> int:
         if self.events:
             events, self.events = self.events, []
-            await sync_to_async(_write_events)(events)
+            await dbthread.in_background(_write_events, events)
         if not self.queue:
             return 0
         batch = self.queue[:]
         fd = self._fd
-        await sync_to_async(self._durable_store)(fd, batch)
+        await dbthread.in_background(self._durable_store, fd, batch)
         # Only what was stored leaves the queue; records added meanwhile stay.
         del self.queue[: len(batch)]
         self._maybe_rotate()

@@ -13,6 +13,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from gateway import dbthread
 from gateway.identity import keys
 from gateway.models import ApiKey
 from tests.harness.clock import FakeClock
@@ -213,11 +214,11 @@ async def test_a_burst_of_misses_for_one_key_is_one_load_and_a_hang_up_cancels_n
         await release.wait()
         return await sync_to_async(real_load)(key_hash)
 
-    def load_in_loop(fn: Any) -> Any:
+    async def load_in_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
         assert fn is keys._load
-        return slow_load
+        return await slow_load(*args)
 
-    monkeypatch.setattr(keys, "sync_to_async", load_in_loop)
+    monkeypatch.setattr(dbthread, "for_request", load_in_loop)
     cache = keys.KeyCache(FakeClock())
     waiters = [asyncio.ensure_future(cache.lookup(issued.key)) for _ in range(50)]
     await asyncio.sleep(0)

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import socket
 import threading
@@ -49,7 +48,7 @@ from tests.harness.procs import (
 )
 from tests.harness.proxy import TcpProxy
 from tests.harness.redis import RedisServer
-from tests.harness.store import child_env, execute_now
+from tests.harness.store import child_env, execute_now, store_behind_proxy
 
 LIVE = {"starting", "ready", "draining"}
 
@@ -139,16 +138,6 @@ class ControlPlane:
         for proc in (self.web, self.grpc):
             if proc is not None:
                 proc.stop()
-
-
-def _store_proxy(env: dict[str, str]) -> TcpProxy | None:
-    """A proxy between the processes of ``env`` and the test's PostgreSQL, their
-    ``DATABASE_URL`` pointed at it (None on SQLite: a file has no connection to cut)."""
-    if connection.vendor != "postgresql":
-        return None
-    proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
-    env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
-    return proxy
 
 
 def agent_url(transport: str, port: int) -> str:
@@ -276,7 +265,7 @@ class Cluster:
         env = child_env(
             REDIS_URL=self.redis.url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
         )
-        proxy = _store_proxy(env) if via_proxy else None
+        proxy = store_behind_proxy(env) if via_proxy else None
         plane = ControlPlane(name, var, env, port, proxy=proxy, transport=self.transport)
         self.control_planes.append(plane)
         plane.web = web_process(f"{name}-web", var / "logs", env, port=port)
@@ -287,7 +276,7 @@ class Cluster:
         if reconciler:
             env = dict(env)
             if reconciler_via_proxy:
-                plane.reconciler_proxy = _store_proxy(env)
+                plane.reconciler_proxy = store_behind_proxy(env)
             # As ``manage.py run`` starts them, plus task events (-E) for TaskEvents.
             worker = celery_argv("worker", "--pool", "solo", "-n", f"{name}@%h", "-E")
             plane.worker = Proc(f"{name}-worker", worker, var / "logs", env).start()

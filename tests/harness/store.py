@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -11,6 +12,8 @@ import psycopg
 from django.core.management import call_command
 from django.db import connection
 from pytest_django import DjangoDbBlocker
+
+from tests.harness.proxy import TcpProxy
 
 
 def database_url_for_children() -> str:
@@ -43,6 +46,17 @@ def process_env(**extra: str) -> dict[str, str]:
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of a process a test starts on the test database."""
     return process_env(DATABASE_URL=database_url_for_children(), **extra)
+
+
+def store_behind_proxy(env: dict[str, str]) -> TcpProxy | None:
+    """A proxy between the processes started with ``env`` and the test's PostgreSQL, their
+    ``DATABASE_URL`` pointed at it, so that a test can cut or slow their store alone (None on
+    SQLite: a file has no connection to cut)."""
+    if connection.vendor != "postgresql":
+        return None
+    proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
+    env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
+    return proxy
 
 
 @contextmanager
