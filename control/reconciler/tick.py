@@ -72,8 +72,11 @@ def tick(
     *,
     budget: float | None = None,
     resume_after: int | None = None,
+    heard_from: datetime | None = None,
 ) -> TickResult:
     """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick.
+    ``heard_from``: when this process found the store again after losing it (nodes' silence
+    counts from then at the earliest, see ``health.refresh_node_health``).
 
     ``budget`` (seconds) bounds the tick: each placement is a transaction of its own, so a
     wave of hundreds of activations would make one tick last seconds; past the budget the tick
@@ -83,7 +86,7 @@ def tick(
     started = time.monotonic()
     now = now or timezone.now()
     with leases.fenced(lead):
-        health.refresh_node_health(now)
+        health.refresh_node_health(now, heard_from=heard_from)
     snapshot = read_snapshot(now)
     result = TickResult(acted=True, epoch=lead.epoch)
     _abandon_lost(lead, snapshot, result)

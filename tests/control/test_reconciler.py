@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from control import gateway_counts, leases, serving, tasks
@@ -427,6 +428,32 @@ def test_run_once_acts_only_while_leading(settings: Any) -> None:
     follower.shutdown()
     view = leases.read()
     assert view is not None and not view.held, "shutdown released the lease"
+
+
+def test_a_node_silent_while_the_store_was_away_is_not_lost_when_it_returns() -> None:
+    """[L6] The heartbeats of a node that ran through a store outage could not be written:
+    once a claim reaches the store again, the node is not lost, nor its replica stopped."""
+    make_node("a", gpus=gib(80))
+    model = make_model("m", min_replicas=1)
+    reconciler = Reconciler()
+    assert reconciler.run_once().placed == 1
+    # Its last heartbeat written 120 s ago, past lost_after (60 s): then the store went away.
+    Node.objects.update(last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+    connection.close()
+    saved = connection.settings_dict.get("PORT"), connection.settings_dict["NAME"]
+    try:
+        if connection.vendor == "postgresql":
+            connection.settings_dict["PORT"] = "1"
+        else:
+            connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
+        assert not reconciler.run_once().acted
+    finally:
+        connection.close()
+        connection.settings_dict["PORT"], connection.settings_dict["NAME"] = saved
+    assert reconciler.run_once().acted
+    assert Node.objects.get().health == Node.Health.READY
+    assert len(running(model)) == 1
+    reconciler.shutdown()
 
 
 def test_a_clean_stop_hands_the_lease_to_the_next_control_plane_at_once() -> None:
