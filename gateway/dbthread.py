@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Final, TypeVar, TypeVarTuple
 
 from django.conf import settings
@@ -134,12 +135,15 @@ class _Call:
         self.lock = threading.Lock()
 
 
-_lanes: dict[str, ThreadPoolExecutor] = {}
+# Made at import (their threads start with their first call), so that a lane asked for from
+# another lane's thread is never made twice.
+_lanes: Final = {
+    name: ThreadPoolExecutor(1, thread_name_prefix=f"llmgw-store-{name}")
+    for name in ("request", "background")
+}
 
 
 def _lane(name: str) -> ThreadPoolExecutor:
-    if name not in _lanes:
-        _lanes[name] = ThreadPoolExecutor(1, thread_name_prefix=f"llmgw-store-{name}")
     return _lanes[name]
 
 
@@ -180,45 +184,52 @@ async def for_request(
                 raise StoreUnavailable("given up before it ran")
             call.started = time.monotonic()
         try:
-            result = _run(func, *args)
+            return _run(func, *args)
         finally:
             if _pooled():
                 connection.close()  # back to the pool: this lane keeps none
-        with call.lock:
-            late = call.given_up
-        if late and undo is not None:
-            _lane("background").submit(_run, undo, result)
-        return result
 
     future = asyncio.get_running_loop().run_in_executor(_lane("request"), in_lane)
+
+    def give_up() -> None:
+        with call.lock:
+            call.given_up = True
+        # Whenever the call ends (it may have just now), what it took is given back.
+        future.add_done_callback(partial(_undo_if_completed, undo))
+
     bound = float(settings.LLMGW_STORE_WAIT)
     while True:
-        done, _ = await asyncio.wait({future}, timeout=_POLL_S)
+        try:
+            done, _ = await asyncio.wait({future}, timeout=_POLL_S)
+        except asyncio.CancelledError:
+            give_up()  # the request left (its client hung up): nobody has what it takes
+            raise
         if done:
             return future.result()
         with call.lock:
             started = call.started
-            overdue = started is not None and time.monotonic() - started >= bound
-            # Another call found the store unreachable meanwhile (this one may be queued behind
-            # it, or waiting for a connection the pool cannot make): no use waiting on.
-            if overdue or outage.down:
-                call.given_up = True
-        if call.given_up:
-            future.add_done_callback(_ignore_outcome)
+        overdue = started is not None and time.monotonic() - started >= bound
+        # Another call found the store unreachable meanwhile (this one may be queued behind
+        # it, or waiting for a connection the pool cannot make): no use waiting on.
+        if overdue or outage.down:
+            give_up()
             if overdue:
                 outage.failed(TimeoutError(f"no answer within {bound:g}s"))
             raise StoreUnavailable("the store did not answer in time")
 
 
+def _undo_if_completed(undo: Callable[[Any], None] | None, future: asyncio.Future[Any]) -> None:
+    """A given-up call's outcome: undone in the background lane if it took something, else
+    nobody's (retrieved, so asyncio does not log it)."""
+    if future.cancelled():
+        return
+    if future.exception() is None and undo is not None:
+        _lane("background").submit(_run, undo, future.result())
+
+
 def _probe() -> None:
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
-
-
-def _ignore_outcome(future: asyncio.Future[Any]) -> None:
-    """A given-up call's outcome is nobody's: retrieved, so asyncio does not log it."""
-    if not future.cancelled():
-        future.exception()
 
 
 def close() -> None:

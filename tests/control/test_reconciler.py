@@ -8,7 +8,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from control import gateway_counts, leases, serving, tasks
@@ -18,6 +17,7 @@ from control.models import Event, Node, ProfileScale, Replica, ServedModel, Shar
 from control.reconciler.runner import Reconciler, process_reconciler
 from control.reconciler.tick import TickResult, models_in_turn, tick
 from tests.harness.factories import gib, make_model, make_node, make_profile
+from tests.harness.store import unreachable_store
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
 
@@ -439,17 +439,8 @@ def test_a_node_silent_while_the_store_was_away_is_not_lost_when_it_returns() ->
     assert reconciler.run_once().placed == 1
     # Its last heartbeat written 120 s ago, past lost_after (60 s): then the store went away.
     Node.objects.update(last_heartbeat_at=timezone.now() - timedelta(seconds=120))
-    connection.close()
-    saved = connection.settings_dict.get("PORT"), connection.settings_dict["NAME"]
-    try:
-        if connection.vendor == "postgresql":
-            connection.settings_dict["PORT"] = "1"
-        else:
-            connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
+    with unreachable_store():
         assert not reconciler.run_once().acted
-    finally:
-        connection.close()
-        connection.settings_dict["PORT"], connection.settings_dict["NAME"] = saved
     assert reconciler.run_once().acted
     assert Node.objects.get().health == Node.Health.READY
     assert len(running(model)) == 1

@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection
+from django.db import OperationalError
 
 from gateway import dbthread
 from gateway.models import ApiKey
 from tests.harness.live import close_db_thread
+from tests.harness.store import unreachable_store
 from tests.harness.waits import await_until
 
 
@@ -23,24 +23,6 @@ from tests.harness.waits import await_until
 def _lanes_closed() -> Iterator[None]:
     yield
     close_db_thread()
-
-
-@contextmanager
-def store_away() -> Iterator[None]:
-    """The lanes' store unreachable for the block, for real (as ``store_unreachable`` makes it,
-    but given back at the end of the block rather than of the test)."""
-    dbthread.close()
-    saved = dict(connection.settings_dict)
-    if connection.vendor == "postgresql":
-        connection.settings_dict.update(HOST="127.0.0.1", PORT="1")
-    else:
-        connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
-    try:
-        yield
-    finally:
-        dbthread.close()
-        connection.settings_dict.clear()
-        connection.settings_dict.update(saved)
 
 
 def count_keys() -> int:
@@ -58,7 +40,7 @@ async def test_during_an_outage_a_requests_call_is_refused_at_once_and_a_probe_e
         calls.append("ran")
         return count_keys()
 
-    with store_away():
+    with unreachable_store(dbthread.close):  # the lanes' connections, not this thread's
         with pytest.raises(OperationalError):
             await dbthread.in_background(count_keys)
         assert dbthread.store_down()

@@ -14,7 +14,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -53,9 +53,11 @@ class Behind:
     proxy: TcpProxy
     var: Path
     env: dict[str, str]
+    webs: list[Proc] = field(default_factory=list)
 
     def start_web(self) -> Proc:
-        return web_process("web", self.var / "logs", self.env)
+        self.webs.append(web_process("web", self.var / "logs", self.env))
+        return self.webs[-1]
 
 
 @pytest.fixture
@@ -68,10 +70,12 @@ def behind(tmp_path: Path) -> Iterator[Behind]:
     env = child_env(LLMGW_VAR_DIR=str(var), **{**WEB_SETTINGS, "LLMGW_SHUTDOWN_GRACE": "1"})
     proxy = store_behind_proxy(env)
     assert proxy is not None
+    behind = Behind(sim, proxy, var, env)
     try:
         serve_model("u", [sim.port])
-        yield Behind(sim, proxy, var, env)
+        yield behind
     finally:
+        stop_checked(*behind.webs)
         proxy.close()
         sim.stop()
 
@@ -174,21 +178,18 @@ def test_u3_the_store_away_from_a_live_web_process_under_traffic(behind: Behind)
     wait_until(lambda: engine_idle(behind.sim), what="the engine to see its clients go")
     reached = engine_requests(behind.sim) - reached_before
     successor = behind.start_web()
-    try:
-        wait_until(lambda: routes(successor, free, "u"), what="the successor routes u")
-        # Its first request starts its usage writer, whose first sweep replays the journal.
-        assert ask(successor, free) == (200, "")
-        reached += 1
-        wait_until(
-            lambda: UsageRecord.objects.filter(api_key=free_key).count() - rows_before == reached,
-            what="a row for every request that reached the engine",
-            logs=[successor],
-        )
-        assert not list((behind.var / "usage").glob(f"*.{web.pid}-*.journal")), "replayed"
-        whole = {a.request_id for a in killed if a.whole}
-        assert UsageRecord.objects.filter(request_id__in=whole).count() == len(whole)
-        # Replayed once: another sweep adds nothing.
-        call_command("replay_usage", dir=behind.var / "usage")
-        assert UsageRecord.objects.filter(api_key=free_key).count() - rows_before == reached
-    finally:
-        stop_checked(successor)
+    wait_until(lambda: routes(successor, free, "u"), what="the successor routes u")
+    # Its first request starts its usage writer, whose first sweep replays the journal.
+    assert ask(successor, free) == (200, "")
+    reached += 1
+    wait_until(
+        lambda: UsageRecord.objects.filter(api_key=free_key).count() - rows_before == reached,
+        what="a row for every request that reached the engine",
+        logs=[successor],
+    )
+    assert not list((behind.var / "usage").glob(f"*.{web.pid}-*.journal")), "replayed"
+    whole = {a.request_id for a in killed if a.whole}
+    assert UsageRecord.objects.filter(request_id__in=whole).count() == len(whole)
+    # Replayed once: another sweep adds nothing.
+    call_command("replay_usage", dir=behind.var / "usage")
+    assert UsageRecord.objects.filter(api_key=free_key).count() - rows_before == reached

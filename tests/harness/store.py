@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,6 +46,31 @@ def process_env(**extra: str) -> dict[str, str]:
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of a process a test starts on the test database."""
     return process_env(DATABASE_URL=database_url_for_children(), **extra)
+
+
+@contextmanager
+def unreachable_store(close: Callable[[], None] | None = None) -> Iterator[None]:
+    """For the block, the default connection points at a store that cannot be reached, for
+    real: PostgreSQL, a closed port on loopback (connection refused); SQLite, a file in a folder
+    that does not exist (unable to open database file). ``close`` closes, on the way in and
+    out, the connections that would otherwise go on using the real store (this thread's)."""
+    close = close or _close_this_threads
+    saved = dict(connection.settings_dict)
+    close()
+    if connection.vendor == "postgresql":
+        connection.settings_dict.update(HOST="127.0.0.1", PORT="1")
+    else:
+        connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
+    try:
+        yield
+    finally:
+        close()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+
+
+def _close_this_threads() -> None:
+    connection.close()  # looked up when called: each thread has a connection of its own
 
 
 def store_behind_proxy(env: dict[str, str]) -> TcpProxy | None:
