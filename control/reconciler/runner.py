@@ -22,6 +22,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Max
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from control import leases, nudges
 from control.leases import Leadership, LeadershipLost
@@ -83,6 +84,11 @@ class Reconciler:
             except DatabaseError as exc:
                 logger.warning("tick aborted, store error: %s", type(exc).__name__)
                 connection.close_if_unusable_or_obsolete()
+                return TickResult(acted=False, epoch=self.leadership.epoch)
+            except RedisError as exc:
+                # The gateway's in-flight counts cannot be read: nothing is scaled down, evicted
+                # or drained on a guess; the next tick reads them again.
+                logger.warning("tick aborted, Redis error: %s", type(exc).__name__)
                 return TickResult(acted=False, epoch=self.leadership.epoch)
 
     def _note_store(self, claimed: Leadership) -> None:

@@ -32,6 +32,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from control import serving
 from gateway import dbthread
@@ -240,8 +241,9 @@ class Upstreams:
                     await self.refresh()
                 await self._write_stamps()
                 await self._report_in_flight()
-            except DatabaseError as exc:
-                # Keep routing on the last table; the store may come back.
+            except (DatabaseError, RedisError) as exc:
+                # Keep routing on the last table; the store (or Redis, which keeps the in-flight
+                # counts where it is set) may come back.
                 logger.warning("routing table refresh failed: %s", exc)
             except Exception:
                 logger.exception("routing table refresh failed")

@@ -25,13 +25,14 @@ from control.models import Event, Replica, ServedModel
 from gateway.models import UsageRecord
 from tests.harness.cluster import (
     Cluster,
-    ControlPlane,
     InvariantChecker,
     TaskEvents,
-    leader_worker,
     lease_state,
     node_health,
     ready_replicas,
+    running_cluster,
+    wait_leader,
+    wait_ticks,
     writes_by_epoch_in_commit_order,
 )
 from tests.harness.factories import make_key, make_model
@@ -50,31 +51,8 @@ OUTAGE_S = 25.0
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     if connection.vendor != "postgresql":
         pytest.skip("the store is cut through a TCP proxy: PostgreSQL only")
-    cluster = Cluster(tmp_path)
-    cluster.start_redis()
-    try:
+    with running_cluster(tmp_path) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-
-
-def wait_leader(cluster: Cluster) -> ControlPlane:
-    return wait_until(lambda: leader_worker(cluster), what="a leader", logs=cluster.processes())
-
-
-def ticks_done(events: TaskEvents, plane: ControlPlane, after: float, count: int) -> bool:
-    """``plane``'s worker finished ``count`` ticks that it started after ``after``."""
-    started = {e["uuid"] for e in events.of("started", host=plane.name, after=after)}
-    done = [e for e in events.of("succeeded", host=plane.name) if e["uuid"] in started]
-    return len(done) >= count
-
-
-def wait_ticks(events: TaskEvents, plane: ControlPlane, after: float, count: int = 3) -> None:
-    wait_until(
-        lambda: ticks_done(events, plane, after, count),
-        what=f"{count} ticks of {plane.name}",
-        logs=plane.services(),
-    )
 
 
 def one_leader_stays(cluster: Cluster, events: TaskEvents) -> None:
@@ -83,7 +61,7 @@ def one_leader_stays(cluster: Cluster, events: TaskEvents) -> None:
     held = lease_state()
     after = time.time()
     for plane in cluster.control_planes:
-        wait_ticks(events, plane, after)
+        wait_ticks(events, plane, after, count=3)
     assert lease_state() == held, "the lease changed hands with nothing wrong"
 
 

@@ -49,6 +49,7 @@ from tests.harness.procs import (
 from tests.harness.proxy import TcpProxy
 from tests.harness.redis import RedisServer
 from tests.harness.store import child_env, execute_now, store_behind_proxy
+from tests.harness.waits import wait_until
 
 LIVE = {"starting", "ready", "draining"}
 
@@ -221,6 +222,7 @@ class Cluster:
     root: Path
     settings: dict[str, str] = field(default_factory=lambda: dict(FAST))
     redis: RedisServer | None = None
+    redis_proxy: TcpProxy | None = None  # between every process and Redis, when asked for
     control_planes: list[ControlPlane] = field(default_factory=list)
     agents: dict[str, Agent] = field(default_factory=dict)
     transport: str = WEBSOCKET
@@ -229,9 +231,21 @@ class Cluster:
     def ca_dir(self) -> Path:
         return self.root / "ca"
 
-    def start_redis(self) -> RedisServer:
+    def start_redis(self, *, via_proxy: bool = False) -> RedisServer:
+        """The cluster's Redis; ``via_proxy`` puts a :class:`TcpProxy` between it and every
+        process the cluster starts, so that a test can cut them off from it or slow it."""
         self.redis = RedisServer(self.root / "redis").start()
+        if via_proxy:
+            self.redis_proxy = TcpProxy(self.redis.port)
         return self.redis
+
+    @property
+    def redis_url(self) -> str:
+        """Where the cluster's processes reach Redis (through its proxy, if it has one)."""
+        assert self.redis is not None, "start_redis() first"
+        if self.redis_proxy is None:
+            return self.redis.url
+        return f"redis://127.0.0.1:{self.redis_proxy.port}/0"
 
     # --- control planes ----------------------------------------------------------------
 
@@ -263,7 +277,7 @@ class Cluster:
                 **settings,
             }
         env = child_env(
-            REDIS_URL=self.redis.url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
+            REDIS_URL=self.redis_url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
         )
         proxy = store_behind_proxy(env) if via_proxy else None
         plane = ControlPlane(name, var, env, port, proxy=proxy, transport=self.transport)
@@ -383,8 +397,22 @@ class Cluster:
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(pid, signal.SIGKILL)
+        if self.redis_proxy is not None:
+            self.redis_proxy.close()
         if self.redis is not None:
             self.redis.stop()
+
+
+@contextmanager
+def running_cluster(root: Path, *, redis_via_proxy: bool = False) -> Iterator[Cluster]:
+    """A cluster under ``root`` with its Redis started (behind a proxy with
+    ``redis_via_proxy``), and everything it started stopped on the way out."""
+    cluster = Cluster(root)
+    cluster.start_redis(via_proxy=redis_via_proxy)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 # --- Celery task events, as a monitor receives them ------------------------------------------
@@ -483,6 +511,27 @@ def leader_worker(cluster: Cluster) -> ControlPlane | None:
         return None
     pid = row[0].split(":")[1]
     return next((p for p in cluster.control_planes if p.worker and str(p.worker.pid) == pid), None)
+
+
+def wait_leader(cluster: Cluster) -> ControlPlane:
+    return wait_until(lambda: leader_worker(cluster), what="a leader", logs=cluster.processes())
+
+
+def ticks_done(events: TaskEvents, plane: ControlPlane, after: float, count: int = 1) -> bool:
+    """``plane``'s worker finished ``count`` ticks that it started after ``after``."""
+    started = {e["uuid"] for e in events.of("started", host=plane.name, after=after)}
+    done = [e for e in events.of("succeeded", host=plane.name) if e["uuid"] in started]
+    return len(done) >= count
+
+
+def wait_ticks(events: TaskEvents, plane: ControlPlane, after: float, count: int = 2) -> None:
+    """Until ``plane``'s worker has run ``count`` whole ticks after ``after``: it has looked at
+    the world as it is now (the positive signal before asserting that nothing changed)."""
+    wait_until(
+        lambda: ticks_done(events, plane, after, count),
+        what=f"{count} ticks of {plane.name} after the change",
+        logs=plane.services(),
+    )
 
 
 def lease_state() -> tuple[str, int]:
