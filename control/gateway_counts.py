@@ -11,6 +11,10 @@ up or fill a model's queue for ever.
 Two stores, chosen by configuration, like the gateway's limit counters: Redis when
 ``REDIS_URL`` is set (hashes keyed by replica or model, one field per process, and a key per
 live process that expires), the database otherwise (:class:`control.models.GatewayCount`).
+Where the one configured cannot be reached, nothing counts in the other meanwhile (the counts
+would be split between two places, each too low): a report is sent again at the next
+confirmation, a waiting slot is refused (the gateway answers 503 ``queue_unavailable``), and a
+tick that cannot read what is in flight scales nothing down (``control.reconciler.runner``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from control.models import GatewayCount, ServedModel
+from llmgw_site.config import counter_redis_options
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +81,7 @@ _redis: Any = None
 def _client() -> Any:
     global _redis
     if _redis is None:
-        _redis = redis.Redis.from_url(settings.REDIS_URL)
+        _redis = redis.Redis.from_url(settings.REDIS_URL, **counter_redis_options())
     return _redis
 
 

@@ -65,17 +65,26 @@ class HealthChange:
     new: str
 
 
-def refresh_node_health(now: datetime | None = None) -> list[HealthChange]:
+def refresh_node_health(
+    now: datetime | None = None, *, heard_from: datetime | None = None
+) -> list[HealthChange]:
     """Mark nodes whose heartbeats stopped unreachable, then lost. Returns what changed.
 
     A compare-and-set on (health, last_heartbeat_at): a heartbeat written between the read
     and the update wins, so a node that just came back is never marked late. Becoming ready
     again is the heartbeat writer's job, not this one's.
+
+    ``heard_from``: when the store could be written to again after an outage. No heartbeat
+    could be written before it, so a node's silence counts from then at the earliest: after a
+    store outage longer than ``lost_after`` every node would otherwise be lost at once, and
+    every replica stopped and placed again, however well the nodes ran through it.
     """
     now = now or timezone.now()
     unreachable_after = float(settings.LLMGW_UNREACHABLE_AFTER)
     lost_after = float(settings.LLMGW_LOST_AFTER)
     changes: list[HealthChange] = []
+    if heard_from is not None and heard_from > now - timedelta(seconds=unreachable_after):
+        return changes  # nobody can have been silent long enough yet
     late = Node.objects.filter(
         last_heartbeat_at__lt=now - timedelta(seconds=unreachable_after)
     ).exclude(health=Health.LOST)
@@ -84,7 +93,8 @@ def refresh_node_health(now: datetime | None = None) -> list[HealthChange]:
     ):
         if last is None:  # excluded by the filter; here for the type checker
             continue
-        new = node_health(last, now, unreachable_after=unreachable_after, lost_after=lost_after)
+        since = last if heard_from is None else max(last, heard_from)
+        new = node_health(since, now, unreachable_after=unreachable_after, lost_after=lost_after)
         if new in (health, Health.READY):
             continue
         with transaction.atomic():

@@ -3,9 +3,12 @@
 The lease is a row with an expiry, not a lock held by a connection, so it survives a leader
 that is powered off, works behind poolers and on both backends. Taking and renewing are one
 statement (an upsert guarded by "I own it or it expired"), so two racers cannot both win and
-renewing cannot disagree with taking. The decision is made on the database's clock
-(``llmgw_clock_ms()``, see ``control.dbclock``); this process's own clock only bounds how long
-it keeps acting on a claim it could not confirm (the renew deadline, on a monotonic clock).
+renewing cannot disagree with taking. A holder whose claim was answered past its renew
+deadline renews no more (it only takes an expired lease), so a store slow for one host lets
+the lease expire for a standby instead of keeping it alive for a holder that never acts. The
+decision is made on the database's clock (``llmgw_clock_ms()``, see ``control.dbclock``); this
+process's own clock only bounds how long it keeps acting on a claim it could not confirm (the
+renew deadline, on a monotonic clock).
 
 Every write the reconciler makes happens inside :func:`fenced`, which re-checks owner and epoch
 in the same transaction while holding the lease row, so a deposed leader's writes change nothing.
@@ -41,6 +44,8 @@ Clock = Callable[[], float]
 
 # The same SQL text on SQLite (3.35+) and PostgreSQL. In DO UPDATE, column references on the
 # right-hand side read the existing row, so the epoch rises exactly when the owner changes.
+# The last parameter says whether the holder may renew (see Leadership.may_renew): without it
+# the statement takes an expired lease and nothing else.
 CLAIM_SQL = """
 INSERT INTO control_lease (name, owner, epoch, expires_at_ms)
 VALUES (%s, %s, 1, llmgw_clock_ms() + %s)
@@ -49,7 +54,8 @@ ON CONFLICT (name) DO UPDATE SET
                  THEN control_lease.epoch ELSE control_lease.epoch + 1 END,
     owner = excluded.owner,
     expires_at_ms = excluded.expires_at_ms
-WHERE control_lease.owner = excluded.owner OR control_lease.expires_at_ms <= llmgw_clock_ms()
+WHERE (control_lease.owner = excluded.owner AND %s)
+   OR control_lease.expires_at_ms <= llmgw_clock_ms()
 RETURNING epoch, expires_at_ms
 """
 
@@ -152,6 +158,11 @@ class Leadership:
     # a later claim confirms the lease again.
     act_until: float
     store_error: str = ""
+    # Whether this process's next claim may renew the row it holds. False once a claim came
+    # back past its renew deadline, until one is answered in time: every statement to a store
+    # that slow still lands within the TTL, so its renewals would keep the row alive for ever
+    # while this process, never confirmed in time, never acts, and no standby could take over.
+    may_renew: bool = True
 
     def may_act(self, clock: Clock = time.monotonic) -> bool:
         return self.is_leader and clock() < self.act_until
@@ -170,7 +181,8 @@ def claim(
 
     ``previous`` is this process's last result: when the store cannot be reached (or is locked)
     the claim is kept, unchanged, until its own deadline passes; an unreachable store is not
-    evidence that somebody else leads.
+    evidence that somebody else leads. A claim answered past the renew deadline leads to no
+    action, and the next claims only take the lease once it has expired (``may_renew``).
     """
     owner = owner or owner_id()
     ttl = settings.LLMGW_LEASE_TTL if ttl is None else ttl
@@ -180,14 +192,16 @@ def claim(
     # Measured before the statement is sent: the row's expiry is at least this late on the
     # database's clock, so stopping at sent_at + renew_deadline (< ttl) is always in time.
     sent_at = clock()
+    mine = previous if previous is not None and previous.owner == owner else None
+    may_renew = mine is None or mine.may_renew
     try:
         # A renew that takes SQLite's write lock after its deadline could not be acted on.
         with _lock_wait_at_most(renew_deadline), connection.cursor() as cursor:
-            cursor.execute(CLAIM_SQL, [name, owner, int(ttl * 1000)])
+            cursor.execute(CLAIM_SQL, [name, owner, int(ttl * 1000), may_renew])
             row = cursor.fetchone()
     except DatabaseError as exc:
         connection.close_if_unusable_or_obsolete()
-        kept = previous if previous is not None and previous.owner == owner else None
+        kept = mine
         if kept is not None and kept.is_leader:
             logger.warning(
                 "lease %s: store unreachable (%s); keeping epoch %s for %.1fs more",
@@ -199,14 +213,30 @@ def claim(
             return replace(kept, store_error=str(exc))
         logger.warning("lease %s: store unreachable (%s)", name, type(exc).__name__)
         return Leadership(
-            name, owner, epoch=0, is_leader=False, act_until=0.0, store_error=str(exc)
+            name,
+            owner,
+            epoch=0,
+            is_leader=False,
+            act_until=0.0,
+            store_error=str(exc),
+            may_renew=may_renew,
         )
 
     if row is None:
-        result = Leadership(name, owner, epoch=0, is_leader=False, act_until=0.0)
+        result = Leadership(name, owner, 0, is_leader=False, act_until=0.0, may_renew=may_renew)
     else:
+        act_until = sent_at + renew_deadline
+        in_time = clock() < act_until
+        if not in_time:
+            logger.warning(
+                "lease %s: epoch %s confirmed %.1fs past the renew deadline; not acting, and "
+                "not renewing until a claim is answered in time",
+                name,
+                int(row[0]),
+                clock() - act_until,
+            )
         result = Leadership(
-            name, owner, epoch=int(row[0]), is_leader=True, act_until=sent_at + renew_deadline
+            name, owner, int(row[0]), is_leader=True, act_until=act_until, may_renew=in_time
         )
     _log_transition(previous, result)
     return result

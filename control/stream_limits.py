@@ -36,11 +36,12 @@ from redis.exceptions import RedisError
 
 from control.models import StreamCounter
 from control.node_tokens import NodeIdentity
+from llmgw_site.config import counter_redis_options
 
 logger = logging.getLogger(__name__)
 
-# How long a handshake may wait on a Redis that does not answer before the store counts.
-REDIS_TIMEOUT_S: Final = 1.0
+# A handshake waits on a Redis that does not answer for llmgw_site.config's
+# COUNTER_REDIS_TIMEOUT_S before the store counts.
 PURGE_EVERY_S: Final = 300.0
 
 
@@ -109,9 +110,7 @@ _clients: dict[str, Any] = {}
 
 def _client(url: str) -> Any:
     if url not in _clients:
-        _clients[url] = redis.Redis.from_url(
-            url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
-        )
+        _clients[url] = redis.Redis.from_url(url, **counter_redis_options())
     return _clients[url]
 
 

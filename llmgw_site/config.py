@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
+from typing import Any
 
 # How long a stopping web process lets requests in flight finish (LLMGW_SHUTDOWN_GRACE).
 DEFAULT_SHUTDOWN_GRACE = 30.0
@@ -35,6 +36,32 @@ DEFAULT_BODY_TIMEOUT = 60.0
 # each quiet wait ended in a TimeoutError: streams fell back to resyncs, and nudges were lost.
 # Longer than the pop, and still finite, so that a connection dropped without a FIN is noticed.
 CHANNEL_LAYER_READ_TIMEOUT_S = 30.0
+
+
+# The Redis clients that keep counters (the gateway's limits and counts, the agents' stream
+# counts) give up on a Redis that does not answer within this long. redis-py 8 waits 5 s for a
+# connection or a read by default: that long for each call of a request against a Redis that
+# drops packets (measured: a PING 5.0 s, here 1.0 s). Nor is a failed call retried: one whose
+# answer was lost may have counted already (redis-py 8 retries a call ten times by default);
+# a pooled connection that a restarted Redis dropped is replaced by the pool before use.
+COUNTER_REDIS_TIMEOUT_S = 1.0
+
+
+def counter_redis_options(*, for_asyncio: bool = False) -> dict[str, Any]:
+    """Timeouts and retries for a counters' Redis client (``redis.Redis.from_url(url, **...)``,
+    or ``redis.asyncio`` with ``for_asyncio``)."""
+    from redis.backoff import NoBackoff  # noqa: PLC0415 - only processes that use Redis pay
+
+    if for_asyncio:
+        from redis.asyncio.retry import Retry as AsyncRetry  # noqa: PLC0415
+
+        retry: object = AsyncRetry(NoBackoff(), 0)
+    else:
+        from redis.retry import Retry  # noqa: PLC0415
+
+        retry = Retry(NoBackoff(), 0)
+    timeout = COUNTER_REDIS_TIMEOUT_S
+    return {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": retry}
 
 
 def redis_channel_layer(url: str) -> dict[str, object]:

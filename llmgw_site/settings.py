@@ -241,6 +241,12 @@ elif _database["ENGINE"] in {
             # the store is down or overloaded: fail the call as a failed connect would.
             "timeout": float(_database["OPTIONS"]["connect_timeout"]),
             "max_idle": 60.0,
+            # psycopg-pool retries a failed connection with a doubling delay (attempts 1, 3, 7,
+            # 15, 31 s... after the first) until this long has passed, and makes no other
+            # meanwhile: at its default (5 minutes) a store that came back was reconnected to
+            # as late again as it had been away. Given up sooner, the next call that wants a
+            # connection starts a new attempt at once.
+            "reconnect_timeout": float(_database["OPTIONS"]["connect_timeout"]),
         }
 else:
     _errors.append(f"DATABASE_URL uses {_database['ENGINE']}; llmgw supports sqlite and postgres")
@@ -407,6 +413,10 @@ LLMGW_MAX_BODY_BYTES: int = _read(env_int, "LLMGW_MAX_BODY_BYTES", 8 * 1024 * 10
 LLMGW_MAX_ITEMS: int = _read(env_int, "LLMGW_MAX_ITEMS", 10_000, minimum=1)
 # How long a key lookup is trusted in-process: revocation is visible to every process within it.
 LLMGW_KEY_CACHE_TTL: float = _read(env_float, "LLMGW_KEY_CACHE_TTL", 5.0)
+# How long a request waits for one call to the store (a key not cached, limit counters in the
+# store, a cold model's waiters) before it is answered 503 and the store taken for unreachable;
+# while it is, such calls are refused at once (gateway.dbthread).
+LLMGW_STORE_WAIT: float = _read(env_float, "LLMGW_STORE_WAIT", 3.0, minimum=0.1)
 # The routing table is reloaded this often (faster while requests wait for a cold model).
 LLMGW_ROUTING_REFRESH: float = _read(env_float, "LLMGW_ROUTING_REFRESH", 1.0, minimum=0.05)
 # Routing by the cache (gateway.routing.choice): "cache_aware" sends a request where its prompt's

@@ -19,7 +19,7 @@ from pytest_django.fixtures import _set_suffix_to_test_databases
 
 from tests.harness.clock import FakeClock
 from tests.harness.redis import RedisServer
-from tests.harness.store import StoreCut
+from tests.harness.store import unreachable_store
 
 STORE_FIXTURES = {"django_db_setup"}  # every way to the test database goes through it
 STORELESS = pytest.StashKey[int]()  # how many tests --store-tests-only left out
@@ -63,12 +63,14 @@ def uses_store(item: pytest.Item) -> bool:
 # pass alone on one core, so they go first. Only the order changes: every module still runs.
 LONGEST_MODULES = (
     "tests/control/test_cluster_e2e.py",
+    "tests/control/test_store_outage_e2e.py",
     "tests/agents/test_agent_e2e_grpc.py",
     "tests/agents/test_agent_e2e_websocket.py",
     "tests/gateway/test_limits_e2e.py",
     "tests/control/test_fleet_e2e.py",
     "tests/site/test_health_and_commands.py",
     "tests/gateway/test_accounting_e2e.py",
+    "tests/control/test_redis_outage_e2e.py",
     "tests/site/test_three_edges.py",
     "tests/site/test_admin_api_schema.py",
     "tests/site/test_rolling_restart.py",
@@ -209,14 +211,7 @@ def election_on(settings: Any) -> Any:
 
 @pytest.fixture
 def store_unreachable() -> Iterator[None]:
-    """Point the default connection at a store that cannot be reached, for real.
-
-    PostgreSQL: a closed port on loopback (connection refused). SQLite: a file in a folder that
-    does not exist (unable to open database file).
-    """
-    store = StoreCut()
-    store.cut()
-    try:
+    """Point the default connection at a store that cannot be reached, for real (for the
+    whole test: ``tests.harness.store.unreachable_store`` is the same for a block)."""
+    with unreachable_store():
         yield
-    finally:
-        store.restore()

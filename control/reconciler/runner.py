@@ -2,7 +2,9 @@
 ticks and runs a tick only while it leads (moving its epoch above any an agent has seen first),
 one tick at a time on a host; :func:`process_reconciler` is the one of this process (the Celery
 task's state between ticks); :func:`run_loop` ticks until told to stop (``manage.py reconcile
---loop``). A lease lost mid-tick or a store error ends that tick, never the process.
+--loop``). A lease lost mid-tick or a store error ends that tick, never the process; once a
+claim reaches the store again after one that could not, nodes' silence is counted from then
+(no heartbeat could be written meanwhile).
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 
 from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.db.models import Max
+from django.utils import timezone
+from redis.exceptions import RedisError
 
 from control import leases, nudges
 from control.leases import Leadership, LeadershipLost
@@ -38,6 +43,10 @@ class Reconciler:
     def __init__(self) -> None:
         self.leadership: Leadership | None = None
         self.resume_after: int | None = None
+        # When a claim reached the store again after one that could not: heartbeats written
+        # by the web processes could not reach it either until then.
+        self.store_back_at: datetime | None = None
+        self._store_lost = False
 
     def run_once(self) -> TickResult:
         with _one_tick_at_a_time() as got_it:
@@ -47,6 +56,7 @@ class Reconciler:
             close_old_connections()
             started = time.monotonic()
             self.leadership = leases.claim(previous=self.leadership)
+            self._note_store(self.leadership)
             if not self.leadership.may_act():
                 logger.debug("tick: follower (epoch %s)", self.leadership.epoch)
                 return TickResult(acted=False, epoch=self.leadership.epoch)
@@ -57,6 +67,7 @@ class Reconciler:
                         self.leadership,
                         budget=settings.LLMGW_RECONCILE_TICK_BUDGET,
                         resume_after=self.resume_after,
+                        heard_from=self.store_back_at,
                     )
                 self.resume_after = result.resume_after
                 logger.debug(
@@ -74,6 +85,18 @@ class Reconciler:
                 logger.warning("tick aborted, store error: %s", type(exc).__name__)
                 connection.close_if_unusable_or_obsolete()
                 return TickResult(acted=False, epoch=self.leadership.epoch)
+            except RedisError as exc:
+                # The gateway's in-flight counts cannot be read: nothing is scaled down, evicted
+                # or drained on a guess; the next tick reads them again.
+                logger.warning("tick aborted, Redis error: %s", type(exc).__name__)
+                return TickResult(acted=False, epoch=self.leadership.epoch)
+
+    def _note_store(self, claimed: Leadership) -> None:
+        if claimed.store_error:
+            self._store_lost = True
+        elif self._store_lost:
+            self._store_lost = False
+            self.store_back_at = timezone.now()
 
     def shutdown(self) -> None:
         """Graceful stop: give the lease back so a standby takes over at once."""

@@ -73,8 +73,11 @@ def tick(
     *,
     budget: float | None = None,
     resume_after: int | None = None,
+    heard_from: datetime | None = None,
 ) -> TickResult:
     """One pass over the whole fleet. Raises LeadershipLost if the lease goes mid-tick.
+    ``heard_from``: when this process found the store again after losing it (nodes' silence
+    counts from then at the earliest, see ``health.refresh_node_health``).
 
     ``budget`` (seconds) bounds the tick: each placement is a transaction of its own, so a
     wave of hundreds of activations would make one tick last seconds; past the budget the tick
@@ -83,7 +86,7 @@ def tick(
     scaling step always has a quarter of it, so a loaded store still sees progress. With
     tracing on, the tick is a span (each placement a child: ``create_replica``)."""
     with tracing.span("reconcile tick", {"llmgw.lease.epoch": lead.epoch}) as span:
-        result = _tick(lead, now, budget=budget, resume_after=resume_after)
+        result = _tick(lead, now, budget=budget, resume_after=resume_after, heard_from=heard_from)
         span.set_attribute("llmgw.tick.placed", result.placed)
         span.set_attribute("llmgw.tick.changed", result.changed)
         if result.resume_after is not None:
@@ -92,12 +95,17 @@ def tick(
 
 
 def _tick(
-    lead: Leadership, now: datetime | None, *, budget: float | None, resume_after: int | None
+    lead: Leadership,
+    now: datetime | None,
+    *,
+    budget: float | None,
+    resume_after: int | None,
+    heard_from: datetime | None,
 ) -> TickResult:
     started = time.monotonic()
     now = now or timezone.now()
     with leases.fenced(lead):
-        health.refresh_node_health(now)
+        health.refresh_node_health(now, heard_from=heard_from)
     snapshot = read_snapshot(now)
     result = TickResult(acted=True, epoch=lead.epoch)
     _abandon_lost(lead, snapshot, result)

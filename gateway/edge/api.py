@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from ninja import NinjaAPI, Schema
@@ -194,7 +194,6 @@ for _route in RELAY_ROUTES:
 
 
 def _usage_summary(key: KeyInfo) -> dict[str, Any]:
-    dbthread.ready()
     start, _ = limits.period_bounds(key.budget_period, time.time())
     totals = rollups.totals(rollups.Selector(key_id=key.id), datetime.fromtimestamp(start, tz=UTC))
     return {
@@ -222,4 +221,9 @@ async def key_usage(request: HttpRequest, prefix: str) -> Any:
     key = _key(request)
     if prefix != key.prefix:
         raise ApiError(404, "No such key.", "key_not_found", param="prefix")
-    return await sync_to_async(_usage_summary)(key)
+    try:
+        return await dbthread.for_request(_usage_summary, key)
+    except DatabaseError:
+        raise ApiError(
+            503, "Usage cannot be read right now.", "store_unavailable", retry_after=5
+        ) from None

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import DatabaseError, transaction
@@ -46,6 +45,9 @@ hash_key: Final = API_KEY.hash
 well_formed: Final = API_KEY.well_formed
 # Bounds the cache against a flood of random keys; overflowing clears it (cheap, rare).
 _CACHE_MAX = 50_000
+# How long a request for a key seen before waits for its reload once the key is past its TTL:
+# past that the store is slow or away, and the key, not confirmed, is refused (503).
+KNOWN_KEY_WAIT_S = 0.5
 # A key a request used within this long is kept loaded (see KeyCache), up to this many (the
 # most recently used): each reload is four queries a 500 keys, every third of the TTL. The
 # batch that reloads them runs at most every MIN_REFRESH_S, whatever the TTL.
@@ -176,11 +178,10 @@ _BATCH = 500
 
 
 def _load_many(key_hashes: list[str]) -> dict[str, KeyInfo | None]:
-    """What the store says of each key now; None for a hash no key has. Runs in the database
-    thread (see gateway.dbthread): four queries for up to ``_BATCH`` keys, each on its own
-    tables rather than one join of them all (for the reason in
-    control.serving.routing_snapshot: no lock cycle with DDL or TRUNCATE)."""
-    dbthread.ready()
+    """What the store says of each key now; None for a hash no key has. Runs in a lane of
+    gateway.dbthread: four queries for up to ``_BATCH`` keys, each on its own tables rather
+    than one join of them all (for the reason in control.serving.routing_snapshot: no lock
+    cycle with DDL or TRUNCATE)."""
     found: dict[str, KeyInfo | None] = dict.fromkeys(key_hashes)
     for at in range(0, len(key_hashes), _BATCH):
         rows = list(
@@ -298,6 +299,15 @@ class KeyCache:
                 self._load(key_hash)  # behind the answer: a reload already running is reused
             return entry[0]
         try:
+            if entry is not None:
+                # A key seen before waits only so long for its reload: past that the store is
+                # slow or away; the reload carries on, and the key, not confirmed within its
+                # TTL, is refused below.
+                loading = self._load(key_hash)
+                done, _ = await asyncio.wait({loading}, timeout=KNOWN_KEY_WAIT_S)
+                if not done:
+                    raise DatabaseError("the key's reload did not answer in time")
+                return loading.result()
             # Shielded: a waiter whose client hangs up must not cancel the others' load.
             return await asyncio.shield(self._load(key_hash))
         except DatabaseError:
@@ -330,7 +340,7 @@ class KeyCache:
 
     async def _load_and_store(self, key_hash: str) -> KeyInfo | None:
         loaded_at = self._clock()
-        info = await sync_to_async(_load)(key_hash)
+        info = await dbthread.for_request(_load, key_hash)
         self._store(key_hash, info, loaded_at)
         if info is not None:
             self._used[key_hash] = loaded_at
@@ -362,7 +372,7 @@ class KeyCache:
             due = sorted(due, key=self._used.__getitem__)[-KEEP_WARM_MAX:]
         if not due:
             return 0
-        found = await sync_to_async(_load_many)(due)
+        found = await dbthread.in_background(_load_many, due)
         for key_hash, info in found.items():
             self._store(key_hash, info, now)
         return len(found)

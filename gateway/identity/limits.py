@@ -11,11 +11,16 @@ Windows are fixed (the current UTC minute, day, ISO week or month): exact and ch
 Two stores, chosen by configuration:
 
 - Redis (``REDIS_URL`` set): one Lua script checks and increments all counters of a request
-  in one atomic step; keys expire with their window.
+  in one atomic step; keys expire with their window. A reservation of tokens leaves a marker
+  naming its request, and its correction (or, where the take's answer was lost, its release)
+  is applied only while the marker is there: sent twice, it counts once, so a correction Redis
+  did not take is sent again once it answers.
 - The database otherwise (the embedded default): one guarded upsert per counter, in one
   transaction; a counter that would pass its limit rolls the whole reservation back.
 
-Keys without limits cost nothing here: no counter, no round trip.
+Keys without limits cost nothing here: no counter, no round trip. A limit that cannot be checked
+(Redis or the store unreachable) is not waived: the request is refused at once, 503
+``limits_unavailable`` with Retry-After.
 """
 
 from __future__ import annotations
@@ -24,21 +29,24 @@ import asyncio
 import calendar
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any, Protocol
 
 import redis as redis_sync
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from redis import asyncio as redis_asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway import dbthread
 from gateway.errors import ApiError
 from gateway.identity.keys import KeyInfo
+from llmgw_site.config import counter_redis_options
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,7 @@ class Counter:
 class Reservation:
     counters: tuple[Counter, ...]
     reserved_tokens: int
+    request_id: str = ""  # whose: its correction is applied once, however often it is sent
 
     def token_counters(self) -> tuple[Counter, ...]:
         return tuple(c for c in self.counters if c.kind != "rpm")
@@ -234,45 +243,116 @@ def refusal(counter: Counter, now: float) -> ApiError:
 
 
 class Store(Protocol):
-    async def take(self, counters: Sequence[Counter]) -> Counter | None:
+    # Whether a named correction (adjust, release) counts once however often it is sent, so
+    # that one whose answer was lost may be sent again.
+    corrects_once: bool
+
+    async def take(self, counters: Sequence[Counter], request_id: str = "") -> Counter | None:
         """Take every counter's amount, or none of them: returns the first that would overflow."""
 
-    async def adjust(self, counters: Sequence[Counter], delta: int) -> None:
+    async def adjust(self, counters: Sequence[Counter], delta: int, request_id: str = "") -> None:
         """Add ``delta`` (negative gives tokens back) to counters taken before."""
 
+    async def release(self, counters: Sequence[Counter], request_id: str) -> None:
+        """Give back a take whose answer was lost, if it was taken at all."""
 
-# KEYS: counter names. ARGV: amount, limit, ttl for each key in turn.
+
+# KEYS: counter names, then a reservation marker (optional). ARGV: amount, limit, ttl for each
+# counter in turn, then the marker's ttl. The marker says "request R holds a reservation here",
+# so that its correction, or its release, is applied exactly once (_ONCE_LUA).
 _TAKE_LUA = """
-for i = 1, #KEYS do
+local counters = math.floor(#ARGV / 3)
+for i = 1, counters do
   local used = tonumber(redis.call('GET', KEYS[i]) or '0')
   if used + tonumber(ARGV[3 * i - 2]) > tonumber(ARGV[3 * i - 1]) then return i end
 end
-for i = 1, #KEYS do
+for i = 1, counters do
   redis.call('INCRBY', KEYS[i], ARGV[3 * i - 2])
   redis.call('EXPIRE', KEYS[i], ARGV[3 * i])
 end
+if #KEYS > counters then redis.call('SET', KEYS[#KEYS], '1', 'EX', ARGV[#ARGV]) end
 return 0
 """
+# KEYS: counter names, then the reservation's marker. ARGV: what to add to each counter. Applied
+# only while the marker is there, which it removes: sent twice (its first answer lost), or for
+# a take that never happened, it changes nothing.
+_ONCE_LUA = """
+if redis.call('DEL', KEYS[#KEYS]) == 0 then return 0 end
+for i = 1, #KEYS - 1 do redis.call('INCRBY', KEYS[i], ARGV[i]) end
+return 1
+"""
+# A marker outlives any request (a stream of hours); it is removed when its request settles.
+MARKER_TTL_S = 86_400
 
 
 class RedisStore:
-    def __init__(self, url: str) -> None:
-        self._client: Any = redis_asyncio.Redis.from_url(url)
-        self._take: Any = self._client.register_script(_TAKE_LUA)
+    """Counters in Redis. No call is retried (a call whose answer was lost may have counted,
+    and counting it again would count twice), and one that Redis does not answer fails within
+    ``COUNTER_REDIS_TIMEOUT_S``."""
 
-    async def take(self, counters: Sequence[Counter]) -> Counter | None:
+    corrects_once = True
+
+    def __init__(self, url: str) -> None:
+        self._client: Any = redis_asyncio.Redis.from_url(
+            url, **counter_redis_options(for_asyncio=True)
+        )
+        self._take: Any = self._client.register_script(_TAKE_LUA)
+        self._once: Any = self._client.register_script(_ONCE_LUA)
+
+    async def take(self, counters: Sequence[Counter], request_id: str = "") -> Counter | None:
         now = time.time()
+        keys = [f"llmgw:{c.name}" for c in counters]
         args: list[int] = []
         for c in counters:
             args += [c.amount, c.limit, max(1, int(c.window_end - now) + 60)]
-        failed = int(await self._take(keys=[f"llmgw:{c.name}" for c in counters], args=args))
+        if _marked(counters, request_id):
+            keys.append(_marker(request_id))
+            args.append(MARKER_TTL_S)
+        with _transport_errors():
+            failed = int(await self._take(keys=keys, args=args))
         return counters[failed - 1] if failed else None
 
-    async def adjust(self, counters: Sequence[Counter], delta: int) -> None:
-        async with self._client.pipeline(transaction=False) as pipe:
-            for c in counters:
-                pipe.incrby(f"llmgw:{c.name}", delta)
-            await pipe.execute()
+    async def adjust(self, counters: Sequence[Counter], delta: int, request_id: str = "") -> None:
+        if request_id:
+            await self._apply_once(counters, [delta] * len(counters), request_id)
+            return
+        with _transport_errors():
+            async with self._client.pipeline(transaction=False) as pipe:
+                for c in counters:
+                    pipe.incrby(f"llmgw:{c.name}", delta)
+                await pipe.execute()
+
+    async def release(self, counters: Sequence[Counter], request_id: str) -> None:
+        if _marked(counters, request_id):
+            await self._apply_once(counters, [-c.amount for c in counters], request_id)
+
+    async def _apply_once(
+        self, counters: Sequence[Counter], deltas: list[int], request_id: str
+    ) -> None:
+        keys = [f"llmgw:{c.name}" for c in counters] + [_marker(request_id)]
+        with _transport_errors():
+            await self._once(keys=keys, args=deltas)
+
+
+def _marked(counters: Sequence[Counter], request_id: str) -> bool:
+    """A take is marked where it has token counters to correct (rpm alone needs none: each
+    minute's counter is gone the next, and a marker per request would outlive it)."""
+    return bool(request_id) and any(c.kind != "rpm" for c in counters)
+
+
+def _marker(request_id: str) -> str:
+    return f"llmgw:reservation:{request_id}"
+
+
+@contextmanager
+def _transport_errors() -> Iterator[None]:
+    """A connection lost under redis-py can surface as the event loop's own error (uvloop:
+    RuntimeError "the handler is closed", measured with Redis cut mid-call) or an OSError
+    rather than its ConnectionError: all the same, Redis did not answer."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        raise RedisConnectionError(f"{type(exc).__name__}: {exc}") from exc
 
 
 # The guard sits in DO UPDATE's WHERE: a conflicting row that would pass its limit is left
@@ -293,7 +373,6 @@ class _Refused(Exception):
 
 
 def _take_in_store(counters: Sequence[Counter]) -> Counter | None:
-    dbthread.ready()
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             for c in counters:
@@ -308,14 +387,20 @@ def _take_in_store(counters: Sequence[Counter]) -> Counter | None:
 
 
 def _adjust_in_store(counters: Sequence[Counter], delta: int) -> None:
-    dbthread.ready()
     with transaction.atomic(), connection.cursor() as cursor:
         for c in counters:
             cursor.execute(_ADJUST_SQL, [delta, c.name])
 
 
+def _give_back_in_store(counters: Sequence[Counter], refused: Counter | None) -> None:
+    """Undo a take whose request was answered 503 before the store answered it."""
+    if refused is None:
+        with transaction.atomic(), connection.cursor() as cursor:
+            for c in counters:
+                cursor.execute(_ADJUST_SQL, [-c.amount, c.name])
+
+
 def purge_expired(now: float) -> int:
-    dbthread.ready()
     with connection.cursor() as cursor:
         cursor.execute(_PURGE_SQL, [now - 60])
         return int(cursor.rowcount)
@@ -347,7 +432,7 @@ def raise_counters(counters: Sequence[Counter]) -> int:
     if not counters:
         return 0
     if settings.REDIS_URL:
-        client: Any = redis_sync.Redis.from_url(settings.REDIS_URL)
+        client: Any = redis_sync.Redis.from_url(settings.REDIS_URL, **counter_redis_options())
         try:
             now = time.time()
             args: list[int] = []
@@ -366,20 +451,33 @@ def raise_counters(counters: Sequence[Counter]) -> int:
 
 
 class DatabaseStore:
+    """Counters in the store: a request waits for its take (and, every ``PURGE_EVERY_S``, the
+    purge of ended windows before it) in the request lane of ``gateway.dbthread``, refused at
+    once while the store is unreachable; corrections go to the background lane."""
+
     PURGE_EVERY_S = 300.0
+    # A correction is one UPDATE adding to the counter: sent again after its answer was lost,
+    # it could count twice. So a failed one is not sent again (the reservation stays counted).
+    corrects_once = False
 
     def __init__(self) -> None:
         self._next_purge = 0.0
 
-    async def take(self, counters: Sequence[Counter]) -> Counter | None:
+    async def take(self, counters: Sequence[Counter], request_id: str = "") -> Counter | None:
         now = time.time()
         if now >= self._next_purge:
             self._next_purge = now + self.PURGE_EVERY_S
-            await sync_to_async(purge_expired)(now)
-        return await sync_to_async(_take_in_store)(counters)
+            await dbthread.for_request(purge_expired, now)
+        return await dbthread.for_request(
+            _take_in_store, counters, undo=partial(_give_back_in_store, counters)
+        )
 
-    async def adjust(self, counters: Sequence[Counter], delta: int) -> None:
-        await sync_to_async(_adjust_in_store)(counters, delta)
+    async def adjust(self, counters: Sequence[Counter], delta: int, request_id: str = "") -> None:
+        await dbthread.in_background(_adjust_in_store, counters, delta)
+
+    async def release(self, counters: Sequence[Counter], request_id: str) -> None:
+        """A take the store did not answer was rolled back with its transaction (one given up
+        on while it ran is undone by the request lane itself)."""
 
 
 _store: Store | None = None
@@ -392,18 +490,23 @@ def store() -> Store:
     return _store
 
 
-async def reserve(key: KeyInfo, tokens: int, now: float | None = None) -> Reservation:
-    """Take this request's share of every limit of its key, or raise 429."""
+async def reserve(
+    key: KeyInfo, tokens: int, now: float | None = None, *, request_id: str = ""
+) -> Reservation:
+    """Take this request's share of every limit of its key, or raise 429. ``request_id``
+    names the reservation, so that its correction counts once however often it is sent."""
     if not key.scopes:
         return NO_RESERVATION
     now = time.time() if now is None else now
     counters = counters_for(key, tokens, now)
     try:
-        refused = await store().take(counters)
+        refused = await store().take(counters, request_id)
     except (DatabaseError, RedisError) as exc:
         # Fail closed: a limit that cannot be checked is not waived. Keys without limits are
-        # not affected (they never get here).
+        # not affected (they never get here). The take may have counted before its answer was
+        # lost: it is given back (if it was taken) once the counters answer again.
         logger.warning("limit counters unavailable: %s", type(exc).__name__)
+        owed.add(_Owed(tuple(counters), None, request_id))
         raise ApiError(
             503,
             "This key's limits cannot be checked right now.",
@@ -412,25 +515,99 @@ async def reserve(key: KeyInfo, tokens: int, now: float | None = None) -> Reserv
         ) from None
     if refused is not None:
         raise refusal(refused, now)
-    return Reservation(counters, tokens)
+    return Reservation(counters, tokens, request_id)
 
 
-_background: set[asyncio.Task[None]] = set()
+_background: set[asyncio.Task[Any]] = set()
 
 
-def settle(reservation: Reservation, used_tokens: int) -> None:
-    """Correct the token counters to what the request really used, off the request path."""
-    token_counters = reservation.token_counters()
-    delta = used_tokens - reservation.reserved_tokens
-    if not token_counters or delta == 0:
-        return
-    task = asyncio.get_running_loop().create_task(_adjust(token_counters, delta))
+def _in_background(work: Coroutine[Any, Any, Any]) -> None:
+    """Run ``work`` off the request path; its failure is logged, never raised."""
+    task = asyncio.get_running_loop().create_task(_logged(work))
     _background.add(task)
     task.add_done_callback(_background.discard)
 
 
-async def _adjust(counters: Sequence[Counter], delta: int) -> None:
+async def _logged(work: Coroutine[Any, Any, Any]) -> None:
     try:
-        await store().adjust(counters, delta)
-    except Exception:
-        logger.exception("could not settle %d token counters", len(counters))
+        await work
+    except DatabaseError as exc:
+        logger.warning("limit counters: background work failed: %s", type(exc).__name__)
+
+
+def settle(reservation: Reservation, used_tokens: int) -> None:
+    """Correct the token counters to what the request really used, off the request path (a
+    named reservation is settled even with nothing to correct: that clears its marker)."""
+    token_counters = reservation.token_counters()
+    delta = used_tokens - reservation.reserved_tokens
+    if not token_counters or (delta == 0 and not reservation.request_id):
+        return
+    _in_background(owed.pay(_Owed(token_counters, delta, reservation.request_id)))
+
+
+@dataclass(frozen=True)
+class _Owed:
+    """A correction owed to the counters: ``delta`` added to each of ``counters`` (None: the
+    reservation given back whole)."""
+
+    counters: tuple[Counter, ...]
+    delta: int | None
+    request_id: str
+
+
+class Corrections:
+    """Corrections the counters could not take when they were made, tried again until they
+    do. Only named ones (applied once, however often sent) are kept: a bare increment whose
+    answer was lost may have counted, and sending it again could count it twice."""
+
+    RETRY_EVERY_S = 1.0
+    KEEP = 100_000  # the oldest are dropped past this many (an outage of hours)
+
+    def __init__(self) -> None:
+        self.pending: list[_Owed] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def pay(self, correction: _Owed) -> None:
+        try:
+            await _apply(correction)
+        except (DatabaseError, RedisError) as exc:
+            logger.warning(
+                "could not correct %d limit counters (%s); %s",
+                len(correction.counters),
+                type(exc).__name__,
+                "tried again when they answer"
+                if correction.request_id and store().corrects_once
+                else "left as reserved",
+            )
+            self.add(correction)
+        except Exception:
+            logger.exception("could not correct %d limit counters", len(correction.counters))
+
+    def add(self, correction: _Owed) -> None:
+        if not (correction.request_id and store().corrects_once):
+            return  # the counter keeps the reservation: charged what it reserved, never less
+        self.pending = [*self.pending[-(self.KEEP - 1) :], correction]
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._retry())
+
+    async def _retry(self) -> None:
+        while self.pending:
+            await asyncio.sleep(self.RETRY_EVERY_S)
+            while self.pending:
+                try:
+                    await _apply(self.pending[0])
+                except (DatabaseError, RedisError):
+                    break  # still away: the next round
+                except Exception:
+                    logger.exception("a limit counter correction failed; dropped")
+                del self.pending[0]
+
+
+owed = Corrections()
+
+
+async def _apply(correction: _Owed) -> None:
+    if correction.delta is None:
+        await store().release(correction.counters, correction.request_id)
+    else:
+        await store().adjust(correction.counters, correction.delta, correction.request_id)

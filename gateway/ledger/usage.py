@@ -58,7 +58,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import (
@@ -230,10 +229,11 @@ def store_id() -> str:
 
 
 def store_rows(records: Iterable[Usage], directory: Path | None = None) -> int:
-    """Write rows that are not there yet (runs in the database thread). Returns how many rows
-    were dealt with: stored, or refused by the store and set aside in the dead-letter journal
-    under ``directory`` (default: the journal folder). Raises only when the store cannot be
-    reached, leaving the rows to be tried again."""
+    """Write rows that are not there yet (in the background lane of gateway.dbthread, or at
+    exit and in ``replay_usage``). Returns how many rows were dealt with: stored, or refused by
+    the store and set aside in the dead-letter journal under ``directory`` (default: the
+    journal folder). Raises only when the store cannot be reached, leaving the rows to be tried
+    again."""
     dbthread.ready()
     records = list(records)
     if not records:
@@ -539,7 +539,7 @@ class Recorder:
             if now >= next_sweep:
                 next_sweep = now + SWEEP_EVERY_S
                 try:
-                    await sync_to_async(sweep)(self.directory())
+                    await dbthread.in_background(sweep, self.directory())
                 except Exception:
                     logger.exception("usage journal sweep failed")
             try:
@@ -563,12 +563,12 @@ class Recorder:
             self._try_new_segment()
         if self.events:
             events, self.events = self.events, []
-            await sync_to_async(_write_events)(events)
+            await dbthread.in_background(_write_events, events)
         if not self.queue:
             return 0
         batch = self.queue[:]
         fd = -1 if self.journal_error else self._fd
-        unsynced = await sync_to_async(self._durable_store)(fd, batch)
+        unsynced = await dbthread.in_background(self._durable_store, fd, batch)
         if unsynced is not None:
             self._journal_failed(unsynced)
         # Only what was stored leaves the queue; records added meanwhile stay.

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from redis.exceptions import RedisError
 
+from gateway import dbthread
 from gateway.errors import ApiError
 from gateway.relay.answers import read_rest, relay_stream
 from gateway.relay.attempts import open_upstream
@@ -28,8 +29,18 @@ from telemetry import metrics
 
 
 async def _activation_slot(ex: Exchange, route: Route) -> int:
-    """A place in the model's queue of waiters, counted across every web process."""
+    """A place in the model's queue of waiters, counted across every web process. Refused at
+    once while the store is unreachable: the demand that starts a replica is written there,
+    and the reconciler acts on it from there, so a request could only wait out its timeout."""
     assert route.catalog_id is not None
+    if dbthread.store_down():
+        raise ApiError(
+            503,
+            f"The model '{route.name}' is not running, and it cannot be started while the "
+            "gateway's store is unreachable.",
+            "store_unavailable",
+            retry_after=5,
+        )
     try:
         taken = await upstreams.take_waiting_slot(route.catalog_id, route.max_waiting)
     except (DatabaseError, RedisError):

@@ -149,7 +149,7 @@ async def _serve(ex: Exchange, raw: bytes, session: str | None) -> Response:
         generates=ex.api_route.tag == "generation",
         context_length=context_length,
     )
-    ex.reservation = await limits.reserve(ex.key, plan.tokens)
+    ex.reservation = await limits.reserve(ex.key, plan.tokens, request_id=ex.request_id)
     if plan.output_cap is not None and ex.reservation.token_counters():
         # A token limit applies: the engine is told the cap that was reserved, never more.
         ex.body = body = payload.with_output_cap(body, ex.api_route, plan.output_cap)

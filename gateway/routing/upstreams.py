@@ -27,13 +27,14 @@ import logging
 import math
 import time
 from datetime import datetime
+from functools import partial
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from control import serving
 from gateway import dbthread
@@ -62,9 +63,9 @@ BUSY_REPORT_DELAY_S = 0.05
 
 
 def load_table(version: int = 0) -> Table:
-    """Read what routes traffic and build a table (runs in the database thread): the catalog
-    and the ready replicas from the control plane, the static endpoints from here."""
-    dbthread.ready()
+    """Read what routes traffic and build a table (runs in the background lane of
+    gateway.dbthread): the catalog and the ready replicas from the control plane, the static
+    endpoints from here."""
     snapshot = serving.routing_snapshot()
     catalog = [
         CatalogRow(
@@ -184,7 +185,7 @@ class Upstreams:
         await asyncio.shield(self._first_load)
 
     async def refresh(self) -> None:
-        table = await sync_to_async(load_table)(next(self._versions))
+        table = await dbthread.in_background(load_table, next(self._versions))
         self.table = table
         self.loaded = True
         self.remember(table)
@@ -243,8 +244,9 @@ class Upstreams:
                     await self.refresh()
                 await self._write_stamps()
                 await self._report_in_flight()
-            except DatabaseError as exc:
-                # Keep routing on the last table; the store may come back.
+            except (DatabaseError, RedisError) as exc:
+                # Keep routing on the last table; the store (or Redis, which keeps the in-flight
+                # counts where it is set) may come back.
                 logger.warning("routing table refresh failed: %s", exc)
             except Exception:
                 logger.exception("routing table refresh failed")
@@ -424,7 +426,9 @@ class Upstreams:
         for replica_id in due_finished:
             del self._finished[replica_id]
         if due_demand or due_last or due_finished or due_profiles:
-            await sync_to_async(write_stamps)(due_demand, due_last, due_finished, due_profiles)
+            await dbthread.in_background(
+                write_stamps, due_demand, due_last, due_finished, due_profiles
+            )
 
     async def _report_in_flight(self) -> None:
         """Tell the control plane what is in flight here, when the set of busy replicas
@@ -440,15 +444,19 @@ class Upstreams:
             and now - self._reported_at < serving.CONFIRM_EVERY_S
         ):
             return
-        await sync_to_async(serving.report_in_flight)(busy)
+        await dbthread.in_background(serving.report_in_flight, busy)
         self._reported_busy = frozenset(busy)
         self._reported_at = now
 
     # --- activation waiters, counted across processes -------------------------------------
 
     async def take_waiting_slot(self, catalog_id: int, limit: int) -> bool:
-        """Room for one more request waiting for this model, across every web process?"""
-        if not await sync_to_async(serving.take_waiting_slot)(catalog_id, limit):
+        """Room for one more request waiting for this model, across every web process? A slot
+        the request was answered 503 for before the count answered is given back."""
+        taken = await dbthread.for_request(
+            serving.take_waiting_slot, catalog_id, limit, undo=partial(_give_back, catalog_id)
+        )
+        if not taken:
             return False
         self.waiting[catalog_id] = self.waiting.get(catalog_id, 0) + 1
         return True
@@ -466,7 +474,7 @@ class Upstreams:
 
     async def _leave(self, catalog_id: int) -> None:
         try:
-            await sync_to_async(serving.leave_waiting_slot)(catalog_id)
+            await dbthread.in_background(serving.leave_waiting_slot, catalog_id)
         except Exception as exc:
             # The slot's row goes stale with this process's next missed heartbeat at worst.
             logger.warning("could not give back a waiting slot: %s", type(exc).__name__)
@@ -484,6 +492,11 @@ class Upstreams:
 def _bounds(factor: float, slack: int, cold_slack: int) -> Bounds:
     """The settings' bounds, made once (not per request) for the values they have."""
     return Bounds(float(factor), int(slack), int(cold_slack))
+
+
+def _give_back(catalog_id: int, taken: bool) -> None:
+    if taken:
+        serving.leave_waiting_slot(catalog_id)
 
 
 def _ids(route: Route) -> list[str]:

@@ -41,6 +41,8 @@ from tests.harness.cluster import (
     release_stolen_lease,
     shard_nodes,
     steal_lease,
+    wait_leader,
+    wait_ticks,
     writes_by_epoch_in_commit_order,
 )
 from tests.harness.factories import make_key, make_model
@@ -94,30 +96,9 @@ def wait_ready(cluster: Cluster, model: str, count: int) -> None:
     )
 
 
-def wait_leader(cluster: Cluster) -> ControlPlane:
-    return wait_until(lambda: leader_worker(cluster), what="a leader", logs=cluster.processes())
-
-
 def epochs_are_monotonic() -> bool:
     epochs = writes_by_epoch_in_commit_order()
     return epochs == sorted(epochs)
-
-
-def ticks_done(events: TaskEvents, plane: ControlPlane, after: float, count: int = 1) -> bool:
-    """``plane``'s worker finished ``count`` ticks that it started after ``after``."""
-    started = {e["uuid"] for e in events.of("started", host=plane.name, after=after)}
-    done = [e for e in events.of("succeeded", host=plane.name) if e["uuid"] in started]
-    return len(done) >= count
-
-
-def wait_ticks(events: TaskEvents, plane: ControlPlane, after: float, count: int = 2) -> None:
-    """Until ``plane``'s worker has run ``count`` whole ticks after ``after``: it has looked at
-    the world as it is now (the positive signal before asserting that nothing changed)."""
-    wait_until(
-        lambda: ticks_done(events, plane, after, count),
-        what=f"{count} ticks of {plane.name} after the change",
-        logs=plane.services(),
-    )
 
 
 def never_two_at_once(events: TaskEvents, plane: ControlPlane) -> bool:

@@ -20,7 +20,7 @@ from django.db import DatabaseError, connection
 
 from control import leases
 from control.models import Event
-from tests.harness.clock import FakeClock
+from tests.harness.clock import FakeClock, SteppingClock
 from tests.harness.procs import REPO_ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
@@ -146,6 +146,31 @@ def test_holder_may_act_only_until_the_renew_deadline(fake_clock: FakeClock) -> 
     assert held.may_act(fake_clock)
     fake_clock.advance(0.2)
     assert not held.may_act(fake_clock)
+
+
+def test_a_claim_answered_past_the_renew_deadline_is_not_acted_on_nor_renewed() -> None:
+    """[L17] A store so slow that the renewal lands but its answer comes past the deadline:
+    the holder does not act, and its next claims leave the row to expire for a standby."""
+    held = leases.claim(owner="a", ttl=60)
+    late = leases.claim(owner="a", previous=held, ttl=60, clock=SteppingClock(step=7))
+    assert late.is_leader and late.epoch == held.epoch
+    assert not late.may_act() and not late.may_renew
+    expiry = leases.read()
+    again = leases.claim(owner="a", previous=late, ttl=60)
+    assert not again.is_leader and not again.may_renew
+    view = leases.read()
+    assert view is not None and expiry is not None
+    assert view.owner == "a" and view.expires_in <= expiry.expires_in, "not renewed"
+    assert not leases.claim(owner="b").is_leader  # the row keeps its claim until it expires
+
+
+def test_a_holder_that_stopped_renewing_renews_again_once_answered_in_time() -> None:
+    late = leases.claim(owner="a", ttl=0, clock=SteppingClock(step=7))  # expired at once
+    assert not late.may_renew
+    taken = leases.claim(owner="a", previous=late, ttl=60)  # an expired lease may be taken
+    assert taken.may_act() and taken.may_renew and taken.epoch == late.epoch
+    renewed = leases.claim(owner="a", previous=taken, ttl=60)
+    assert renewed.may_act() and renewed.epoch == taken.epoch
 
 
 def test_fenced_write_by_the_live_holder_is_kept() -> None:

@@ -249,6 +249,22 @@ def test_refresh_marks_late_nodes_unreachable_then_lost(settings: Any) -> None:
 
 
 @db
+def test_silence_counts_from_when_the_store_came_back(settings: Any) -> None:
+    """[L6] The store was away for 90 s: no heartbeat could be written, so the nodes' silence
+    counts from its return, and a node is lost only if it stays silent past that."""
+    settings.LLMGW_UNREACHABLE_AFTER = 15
+    settings.LLMGW_LOST_AFTER = 60
+    issue_node("n1", last_heartbeat_at=NOW, health=Node.Health.READY)
+    back = NOW + timedelta(seconds=90)
+    assert health.refresh_node_health(back + timedelta(seconds=1), heard_from=back) == []
+    assert health.refresh_node_health(back + timedelta(seconds=14), heard_from=back) == []
+    changes = health.refresh_node_health(back + timedelta(seconds=16), heard_from=back)
+    assert [(c.name, c.new) for c in changes] == [("n1", "unreachable")]
+    changes = health.refresh_node_health(back + timedelta(seconds=61), heard_from=back)
+    assert [(c.name, c.new) for c in changes] == [("n1", "lost")]
+
+
+@db
 def test_a_heartbeat_brings_a_late_node_back_to_ready() -> None:
     node, _ = issue_node("n1", health=Node.Health.UNREACHABLE, last_heartbeat_at=NOW)
     agent_reports.record_heartbeat(node.pk)

@@ -17,6 +17,7 @@ from control.models import Event, Node, ProfileScale, Replica, ServedModel, Shar
 from control.reconciler.runner import Reconciler, process_reconciler
 from control.reconciler.tick import TickResult, models_in_turn, tick
 from tests.harness.factories import gib, make_model, make_node, make_profile
+from tests.harness.store import unreachable_store
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("election_on")]
 
@@ -427,6 +428,23 @@ def test_run_once_acts_only_while_leading(settings: Any) -> None:
     follower.shutdown()
     view = leases.read()
     assert view is not None and not view.held, "shutdown released the lease"
+
+
+def test_a_node_silent_while_the_store_was_away_is_not_lost_when_it_returns() -> None:
+    """[L6] The heartbeats of a node that ran through a store outage could not be written:
+    once a claim reaches the store again, the node is not lost, nor its replica stopped."""
+    make_node("a", gpus=gib(80))
+    model = make_model("m", min_replicas=1)
+    reconciler = Reconciler()
+    assert reconciler.run_once().placed == 1
+    # Its last heartbeat written 120 s ago, past lost_after (60 s): then the store went away.
+    Node.objects.update(last_heartbeat_at=timezone.now() - timedelta(seconds=120))
+    with unreachable_store():
+        assert not reconciler.run_once().acted
+    assert reconciler.run_once().acted
+    assert Node.objects.get().health == Node.Health.READY
+    assert len(running(model)) == 1
+    reconciler.shutdown()
 
 
 def test_a_clean_stop_hands_the_lease_to_the_next_control_plane_at_once() -> None:

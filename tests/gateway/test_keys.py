@@ -13,11 +13,12 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from gateway import dbthread
 from gateway.identity import keys
 from gateway.models import ApiKey
 from tests.harness.clock import FakeClock
 from tests.harness.live import close_db_thread
-from tests.harness.store import StoreCut
+from tests.harness.store import unreachable_store
 
 
 @pytest.fixture(autouse=True)
@@ -214,11 +215,11 @@ async def test_a_burst_of_misses_for_one_key_is_one_load_and_a_hang_up_cancels_n
         await release.wait()
         return await sync_to_async(real_load)(key_hash)
 
-    def load_in_loop(fn: Any) -> Any:
+    async def load_in_loop(fn: Any, *args: Any, **kwargs: Any) -> Any:
         assert fn is keys._load
-        return slow_load
+        return await slow_load(*args)
 
-    monkeypatch.setattr(keys, "sync_to_async", load_in_loop)
+    monkeypatch.setattr(dbthread, "for_request", load_in_loop)
     cache = keys.KeyCache(FakeClock())
     waiters = [asyncio.ensure_future(cache.lookup(issued.key)) for _ in range(50)]
     await asyncio.sleep(0)
@@ -334,10 +335,8 @@ async def test_while_reloads_fail_a_key_works_within_the_ttl_and_is_refused_afte
     for issued in (kept, revoked):
         assert await cache.lookup(issued.key) is not None
     await sync_to_async(keys.revoke)(revoked.api_key.pk)
-    close_db_thread()  # its open connection would otherwise hide the outage
-    store = StoreCut()
-    await sync_to_async(store.cut)()  # in the database thread: the lookups' connection
-    try:
+    close_db_thread()
+    with unreachable_store(dbthread.close):  # the store lanes' connections: the lookups'
         clock.advance(0.9)  # within the TTL: answered from the cache, its reload fails behind
         info = await cache.lookup(kept.key)
         assert info is not None and info.usable(0)
@@ -351,8 +350,7 @@ async def test_while_reloads_fail_a_key_works_within_the_ttl_and_is_refused_afte
             assert "cannot confirm API keys" in refused.value.message
             assert issued.key not in refused.value.message
         assert refusals() == before + 2
-    finally:
-        await sync_to_async(store.restore)()
+    dbthread.outage.answered()  # the store is back (as the next call to reach it would say)
     info = await cache.lookup(kept.key)
     assert info is not None and info.usable(0)
     again = await cache.lookup(revoked.key)

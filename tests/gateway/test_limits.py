@@ -18,7 +18,9 @@ from gateway.identity import limits
 from gateway.identity.keys import KeyInfo, Scope, narrowest_models
 from gateway.relay import counting
 from tests.harness.live import close_db_thread
+from tests.harness.proxy import TcpProxy
 from tests.harness.redis import RedisServer
+from tests.harness.waits import await_until
 
 
 @pytest.fixture(autouse=True)
@@ -194,6 +196,61 @@ async def test_the_redis_store_is_atomic_under_concurrency(redis_server: RedisSe
     assert int(await store._client.get(f"llmgw:{tpm.name}")) == 0
     assert 0 < await store._client.ttl(f"llmgw:{rpm.name}") <= 120
     await store._client.aclose()
+
+
+async def test_a_named_correction_counts_once_however_often_it_is_sent(
+    redis_server: RedisServer,
+) -> None:
+    """G21: a correction (or a release) whose answer was lost is sent again: it counts once,
+    and a release for a take that never happened changes nothing."""
+    store = limits.RedisStore(redis_server.url)
+    rpm, tpm = limits.counters_for(key(rpm=100, tpm=10**6), 50, NOW + 7200)
+
+    async def used(counter: limits.Counter) -> int:
+        return int(await store._client.get(f"llmgw:{counter.name}") or 0)
+
+    assert await store.take([rpm, tpm], "req_a") is None
+    for _ in range(3):  # settled: 30 of the 50 reserved were used
+        await store.adjust([tpm], -20, "req_a")
+    assert (await used(rpm), await used(tpm)) == (1, 30)
+    await store.release([rpm, tpm], "req_a")  # already settled: nothing left to give back
+    assert (await used(rpm), await used(tpm)) == (1, 30)
+
+    assert await store.take([rpm, tpm], "req_b") is None  # taken, but its answer "lost"
+    for _ in range(2):
+        await store.release([rpm, tpm], "req_b")
+    assert (await used(rpm), await used(tpm)) == (1, 30)
+    await store.release([rpm, tpm], "req_never_taken")
+    assert (await used(rpm), await used(tpm)) == (1, 30)
+    assert not await store._client.keys("llmgw:reservation:*"), "no marker outlives its request"
+    await store._client.aclose()
+
+
+async def test_corrections_redis_did_not_take_are_sent_again_once_it_answers(
+    settings: Any, monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer
+) -> None:
+    """G21: Redis cut off when a request settles; the correction waits and lands, once."""
+    proxy = TcpProxy(redis_server.port)
+    settings.REDIS_URL = f"redis://127.0.0.1:{proxy.port}/0"
+    monkeypatch.setattr(limits, "_store", None)
+    monkeypatch.setattr(limits.Corrections, "RETRY_EVERY_S", 0.05)
+    try:
+        reservation = await limits.reserve(key(tpm=10**6), 50, NOW + 7200, request_id="req_c")
+        proxy.cut()
+        limits.settle(reservation, 10)
+        await await_until(lambda: limits.owed.pending, what="the correction kept")
+        proxy.restore()
+        await await_until(lambda: not limits.owed.pending, what="the correction sent again")
+        (counter,) = reservation.token_counters()
+        store = limits.store()
+        assert isinstance(store, limits.RedisStore)
+        assert int(await store._client.get(f"llmgw:{counter.name}")) == 10
+        limits.settle(reservation, 10)  # sent again: changes nothing
+        await await_until(lambda: not limits._background, what="the second settle")
+        assert int(await store._client.get(f"llmgw:{counter.name}")) == 10
+        await store._client.aclose()
+    finally:
+        proxy.close()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import socket
 import threading
@@ -47,8 +46,10 @@ from tests.harness.procs import (
     port_window,
     web_process,
 )
+from tests.harness.proxy import TcpProxy
 from tests.harness.redis import RedisServer
-from tests.harness.store import child_env, execute_now
+from tests.harness.store import child_env, execute_now, store_behind_proxy
+from tests.harness.waits import wait_until
 
 LIVE = {"starting", "ready", "draining"}
 
@@ -67,78 +68,6 @@ FAST = {
     "LLMGW_LOG_LEVEL": "INFO",
     "LLMGW_IDLE_LINGER": "0.5",  # a stop does not wait out the test's idle client connections
 }
-
-
-class TcpProxy:
-    """A loopback TCP forwarder that can cut every connection through it, for "this host lost
-    the database, the others did not" (a partition of one process, not of the store)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(64)
-        self.port = int(self.listener.getsockname()[1])
-        self.cut_off = threading.Event()
-        self.sockets: list[socket.socket] = []
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.cut_off.is_set():
-                client.close()
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.sockets += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        """End every connection at once (both sides see it closed or reset, as when a
-        firewall starts rejecting) and refuse new ones until :meth:`restore`."""
-        self.cut_off.set()
-        with self.lock:
-            for sock in self.sockets:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(
-                        socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
-                    )
-                # A thread blocked in recv() on this socket keeps it open through close();
-                # shutdown() wakes it, so the far end learns now, not at the next write.
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            self.sockets.clear()
-
-    def restore(self) -> None:
-        self.cut_off.clear()
-
-    def close(self) -> None:
-        self.cut()
-        self.listener.close()
 
 
 WEBSOCKET = "websocket"
@@ -173,6 +102,7 @@ class ControlPlane:
     worker: Proc | None = None
     beat: Proc | None = None
     proxy: TcpProxy | None = None
+    reconciler_proxy: TcpProxy | None = None  # the worker's and beat's own, when asked for
     transport: str = WEBSOCKET
     agent_port: int = 0  # the gRPC listener's; the web port for WebSocket
     grpc: Proc | None = None
@@ -292,6 +222,7 @@ class Cluster:
     root: Path
     settings: dict[str, str] = field(default_factory=lambda: dict(FAST))
     redis: RedisServer | None = None
+    redis_proxy: TcpProxy | None = None  # between every process and Redis, when asked for
     control_planes: list[ControlPlane] = field(default_factory=list)
     agents: dict[str, Agent] = field(default_factory=dict)
     transport: str = WEBSOCKET
@@ -300,9 +231,21 @@ class Cluster:
     def ca_dir(self) -> Path:
         return self.root / "ca"
 
-    def start_redis(self) -> RedisServer:
+    def start_redis(self, *, via_proxy: bool = False) -> RedisServer:
+        """The cluster's Redis; ``via_proxy`` puts a :class:`TcpProxy` between it and every
+        process the cluster starts, so that a test can cut them off from it or slow it."""
         self.redis = RedisServer(self.root / "redis").start()
+        if via_proxy:
+            self.redis_proxy = TcpProxy(self.redis.port)
         return self.redis
+
+    @property
+    def redis_url(self) -> str:
+        """Where the cluster's processes reach Redis (through its proxy, if it has one)."""
+        assert self.redis is not None, "start_redis() first"
+        if self.redis_proxy is None:
+            return self.redis.url
+        return f"redis://127.0.0.1:{self.redis_proxy.port}/0"
 
     # --- control planes ----------------------------------------------------------------
 
@@ -311,12 +254,15 @@ class Cluster:
         *,
         reconciler: bool = True,
         via_proxy: bool = False,
+        reconciler_via_proxy: bool = False,
         port: int = 0,
         agent_port: int = 0,
         **settings: str,
     ) -> ControlPlane:
         """A control plane on the test database; ``via_proxy`` routes its store connections
-        through a :class:`TcpProxy` (PostgreSQL) so that the test can cut this host off. Over
+        through a :class:`TcpProxy` (PostgreSQL) so that the test can cut this host off, and
+        ``reconciler_via_proxy`` those of its worker and beat through one of their own (the
+        lease path alone). Over
         gRPC it also runs the agent listener (on ``agent_port``), with mutual TLS required."""
         assert self.redis is not None, "start_redis() first"
         name = f"cp{len(self.control_planes) + 1}"
@@ -331,12 +277,9 @@ class Cluster:
                 **settings,
             }
         env = child_env(
-            REDIS_URL=self.redis.url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
+            REDIS_URL=self.redis_url, LLMGW_VAR_DIR=str(var), **{**self.settings, **settings}
         )
-        proxy = None
-        if via_proxy and connection.vendor == "postgresql":
-            proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
-            env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
+        proxy = store_behind_proxy(env) if via_proxy else None
         plane = ControlPlane(name, var, env, port, proxy=proxy, transport=self.transport)
         self.control_planes.append(plane)
         plane.web = web_process(f"{name}-web", var / "logs", env, port=port)
@@ -345,6 +288,9 @@ class Cluster:
             plane.agent_port = agent_port or free_port()
             plane.grpc = grpc_listener(f"{name}-grpc", var / "logs", env, plane.agent_port)
         if reconciler:
+            env = dict(env)
+            if reconciler_via_proxy:
+                plane.reconciler_proxy = store_behind_proxy(env)
             # As ``manage.py run`` starts them, plus task events (-E) for TaskEvents.
             worker = celery_argv("worker", "--pool", "solo", "-n", f"{name}@%h", "-E")
             plane.worker = Proc(f"{name}-worker", worker, var / "logs", env).start()
@@ -448,16 +394,31 @@ class Cluster:
         for plane in self.control_planes:
             for service in plane.services():
                 service.stop()
-            if plane.proxy is not None:
-                plane.proxy.close()
+            for proxy in (plane.proxy, plane.reconciler_proxy):
+                if proxy is not None:
+                    proxy.close()
         # Engines of an agent that was killed outlive it (on purpose); end them here.
         for agent in self.agents.values():
             for pids in agent.engines().values():
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(pid, signal.SIGKILL)
+        if self.redis_proxy is not None:
+            self.redis_proxy.close()
         if self.redis is not None:
             self.redis.stop()
+
+
+@contextmanager
+def running_cluster(root: Path, *, redis_via_proxy: bool = False) -> Iterator[Cluster]:
+    """A cluster under ``root`` with its Redis started (behind a proxy with
+    ``redis_via_proxy``), and everything it started stopped on the way out."""
+    cluster = Cluster(root)
+    cluster.start_redis(via_proxy=redis_via_proxy)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 # --- Celery task events, as a monitor receives them ------------------------------------------
@@ -556,6 +517,27 @@ def leader_worker(cluster: Cluster) -> ControlPlane | None:
         return None
     pid = row[0].split(":")[1]
     return next((p for p in cluster.control_planes if p.worker and str(p.worker.pid) == pid), None)
+
+
+def wait_leader(cluster: Cluster) -> ControlPlane:
+    return wait_until(lambda: leader_worker(cluster), what="a leader", logs=cluster.processes())
+
+
+def ticks_done(events: TaskEvents, plane: ControlPlane, after: float, count: int = 1) -> bool:
+    """``plane``'s worker finished ``count`` ticks that it started after ``after``."""
+    started = {e["uuid"] for e in events.of("started", host=plane.name, after=after)}
+    done = [e for e in events.of("succeeded", host=plane.name) if e["uuid"] in started]
+    return len(done) >= count
+
+
+def wait_ticks(events: TaskEvents, plane: ControlPlane, after: float, count: int = 2) -> None:
+    """Until ``plane``'s worker has run ``count`` whole ticks after ``after``: it has looked at
+    the world as it is now (the positive signal before asserting that nothing changed)."""
+    wait_until(
+        lambda: ticks_done(events, plane, after, count),
+        what=f"{count} ticks of {plane.name} after the change",
+        logs=plane.services(),
+    )
 
 
 def lease_state() -> tuple[str, int]:

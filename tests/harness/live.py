@@ -19,6 +19,7 @@ from email.message import Message
 from pathlib import Path
 from typing import Any
 
+from gateway import dbthread
 from gateway.ledger.usage import read_journal
 from gateway.models import ApiKey, UsageRecord
 from tests.harness.factories import ISSUED, usage_rows
@@ -159,12 +160,15 @@ def journaled(var_dir: Path) -> set[str] | None:
 
 
 def close_db_thread() -> None:
-    """Close the connection ``sync_to_async`` opened in its database thread, so the test
-    database can be dropped at the end of the run (PostgreSQL refuses while one is open)."""
+    """Close the connections ``sync_to_async`` and the gateway's store lanes opened in their
+    threads, so the test database can be dropped at the end of the run (PostgreSQL refuses
+    while one is open), and forget any outage the lanes saw."""
     from asgiref.sync import SyncToAsync
     from django.db import connections
 
     SyncToAsync.single_thread_executor.submit(connections.close_all).result()
+    dbthread.close()
+    dbthread.outage.answered()
 
 
 @dataclass

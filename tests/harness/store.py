@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -11,6 +12,8 @@ import psycopg
 from django.core.management import call_command
 from django.db import connection
 from pytest_django import DjangoDbBlocker
+
+from tests.harness.proxy import TcpProxy
 
 
 def database_url_for_children() -> str:
@@ -43,6 +46,42 @@ def process_env(**extra: str) -> dict[str, str]:
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of a process a test starts on the test database."""
     return process_env(DATABASE_URL=database_url_for_children(), **extra)
+
+
+@contextmanager
+def unreachable_store(close: Callable[[], None] | None = None) -> Iterator[None]:
+    """For the block, the default connection points at a store that cannot be reached, for
+    real: PostgreSQL, a closed port on loopback (connection refused); SQLite, a file in a folder
+    that does not exist (unable to open database file). ``close`` closes, on the way in and
+    out, the connections that would otherwise go on using the real store (this thread's)."""
+    close = close or _close_this_threads
+    saved = dict(connection.settings_dict)
+    close()
+    if connection.vendor == "postgresql":
+        connection.settings_dict.update(HOST="127.0.0.1", PORT="1")
+    else:
+        connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
+    try:
+        yield
+    finally:
+        close()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+
+
+def _close_this_threads() -> None:
+    connection.close()  # looked up when called: each thread has a connection of its own
+
+
+def store_behind_proxy(env: dict[str, str]) -> TcpProxy | None:
+    """A proxy between the processes started with ``env`` and the test's PostgreSQL, their
+    ``DATABASE_URL`` pointed at it, so that a test can cut or slow their store alone (None on
+    SQLite: a file has no connection to cut)."""
+    if connection.vendor != "postgresql":
+        return None
+    proxy = TcpProxy(int(connection.settings_dict.get("PORT") or 5432))
+    env["DATABASE_URL"] = re.sub(r":\d+/", f":{proxy.port}/", env["DATABASE_URL"])
+    return proxy
 
 
 @contextmanager
@@ -91,30 +130,3 @@ def execute_now(sql: str, params: tuple[Any, ...] = ()) -> Any:
     with _connect(autocommit=True) as conn:
         cursor = conn.execute(sql, params)
         return cursor.fetchone() if cursor.description else None
-
-
-class StoreCut:
-    """The calling thread's default connection pointed at a store that cannot be reached, for
-    real, from :meth:`cut` until :meth:`restore`: on PostgreSQL a closed port on loopback
-    (connection refused), on SQLite a file in a folder that does not exist (unable to open
-    database file)."""
-
-    def __init__(self) -> None:
-        self._saved: dict[str, Any] | None = None
-
-    def cut(self) -> None:
-        if self._saved is None:
-            self._saved = dict(connection.settings_dict)
-        connection.close()
-        if connection.vendor == "postgresql":
-            connection.settings_dict.update(HOST="127.0.0.1", PORT="1")
-        else:
-            connection.settings_dict["NAME"] = "/nonexistent-llmgw-dir/store.sqlite3"
-
-    def restore(self) -> None:
-        if self._saved is None:
-            return
-        connection.close()
-        connection.settings_dict.clear()
-        connection.settings_dict.update(self._saved)
-        self._saved = None
