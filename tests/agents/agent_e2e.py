@@ -21,7 +21,7 @@ import json
 import signal
 import threading
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -283,11 +283,21 @@ def chat(port: int, model: str = "tiny", **kw: Any) -> Any:
 
 
 def refresh_until(name: str, state: str, cluster: Cluster) -> None:
-    def check() -> bool:
-        health.refresh_node_health()
-        return node_health(name) == state
+    """Wait until the store has really heard nothing from ``name`` for as long as ``state``
+    takes, then judge its health as of the moment that silence was reached: the node goes
+    through the states a timely refresh sees, however late a loaded machine lets this process
+    look (a first look six seconds late would find it lost, never unreachable)."""
+    after = timedelta(seconds=UNREACHABLE_AFTER if state == "unreachable" else LOST_AFTER)
 
-    wait_until(check, what=f"node {name} {state}", logs=cluster.processes())
+    def silent_since() -> datetime | None:
+        last = Node.objects.get(name=name).last_heartbeat_at
+        return last if last is not None and timezone.now() - last > after else None
+
+    last = wait_until(
+        silent_since, what=f"node {name} silent for {after}", logs=cluster.processes()
+    )
+    health.refresh_node_health(now=last + after + timedelta(milliseconds=10))
+    assert node_health(name) == state
 
 
 def stream_of(cluster: Cluster, name: str) -> set[int]:

@@ -166,7 +166,7 @@ def test_two_control_planes_place_once_fail_over_and_replace_a_lost_node(cluster
         assert epochs_are_monotonic(), "no write of the old epoch after the new one's first"
         leader.worker.start()
 
-        # [N1] kill -9 an agent: unreachable, then lost, its replicas placed elsewhere.
+        # [N1] kill -9 an agent: lost, its replicas placed elsewhere.
         victim = sorted(shard_nodes("steady"))[0]
         doomed = set(
             Replica.objects.filter(
@@ -176,7 +176,8 @@ def test_two_control_planes_place_once_fail_over_and_replace_a_lost_node(cluster
         victim_agent = cluster.agents[victim]
         assert victim_agent.proc is not None
         victim_agent.proc.kill()
-        wait_until(lambda: node_health(victim) == "unreachable", what=f"{victim} unreachable")
+        # Lost, whether a tick saw it unreachable first or (a tick late on a loaded machine)
+        # not: the agents' own tests judge each step (tests/agents/agent_e2e.py).
         wait_until(lambda: node_health(victim) == "lost", what=f"{victim} lost")
         wait_until(
             lambda: ready_replicas("steady") == 2 and victim not in shard_nodes("steady"),
