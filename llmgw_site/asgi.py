@@ -26,7 +26,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from control.routing import websocket_urlpatterns  # noqa: E402
 from control.views import health  # noqa: E402
 from gateway.edge.asgi import V1App, imported, send_answer  # noqa: E402
-from gateway.ledger.usage import recorder  # noqa: E402
+from gateway.ledger.recorder import recorder  # noqa: E402
 from gateway.relay import exchange  # noqa: E402
 from gateway.relay.drain import drain  # noqa: E402
 from gateway.responses import Response, whole  # noqa: E402

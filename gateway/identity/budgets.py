@@ -1,13 +1,13 @@
 """Budget counters put right from the usage records.
 
-A budget is enforced by a counter (``gateway.identity.limits``): in Redis when it is configured, in
-the store otherwise. Counters are fast, but one can be lost (a Redis restarted without persistence,
-a key evicted under memory pressure, a flushed database), and a lost counter starts its period again
-at zero: the holder could spend its whole budget a second time. So the leader periodically reads
-what each budget holder spent this period from the records (rollups plus the recent raw rows, as
-``/account/`` and the admin show it) and lifts the holder's counter to at least that. It never
-lowers one: a counter also holds the reservations of requests still running, which no record shows
-yet.
+A budget is enforced by a counter (``gateway.identity.counters``): in Redis when it is
+configured, in the store otherwise. Counters are fast, but one can be lost (a Redis restarted
+without persistence, a key evicted under memory pressure, a flushed database), and a lost
+counter starts its period again at zero: the holder could spend its whole budget a second time.
+So the leader periodically reads what each budget holder spent this period from the records
+(rollups plus the recent raw rows, as ``/account/`` and the admin show it) and lifts the
+holder's counter to at least that. It never lowers one: a counter also holds the reservations of
+requests still running, which no record shows yet.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from gateway.identity import allowances, limits
+from gateway.identity import allowances, counters, limits
 from gateway.ledger import rollups
 from gateway.models import ApiKey, TeamLimits, UserLimits
 
@@ -45,4 +45,4 @@ def refresh(now: float | None = None) -> int:
         spent = allowances.spent(whose, allowances.period_start(period, now))
         if spent > 0:
             floors.append(limits.budget_counter(scope, budget, period, spent, now))
-    return limits.raise_counters(floors)
+    return counters.raise_counters(floors)

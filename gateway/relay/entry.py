@@ -21,7 +21,8 @@ from gateway import responses
 from gateway.errors import ApiError, error_response, model_not_found
 from gateway.identity import limits
 from gateway.identity.keys import KeyInfo
-from gateway.ledger.usage import Usage, recorder
+from gateway.ledger.recorder import recorder
+from gateway.ledger.usage import Usage
 from gateway.relay import counting, payload
 from gateway.relay.activation import held_stream, wait_for_activation
 from gateway.relay.answers import relay_body, relay_stream

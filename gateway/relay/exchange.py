@@ -29,7 +29,8 @@ from django.conf import settings
 from gateway.errors import ApiError
 from gateway.identity import limits
 from gateway.identity.keys import KeyInfo
-from gateway.ledger.usage import Usage, recorder
+from gateway.ledger.recorder import recorder
+from gateway.ledger.usage import Usage
 from gateway.models import UsageRecord
 from gateway.relay import counting, payload
 from gateway.relay.drain import drain

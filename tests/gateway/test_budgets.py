@@ -16,7 +16,7 @@ from control import leases
 from control.reconciler.runner import process_reconciler
 from gateway import tasks
 from gateway.errors import ApiError
-from gateway.identity import budgets, keys, limits
+from gateway.identity import budgets, counters, keys, limits
 from gateway.models import LimitCounter, TeamLimits, UserLimits
 from tests.harness.factories import make_key, make_usage
 from tests.harness.live import close_db_thread
@@ -31,11 +31,11 @@ def counters_in(
 ) -> Iterator[str]:
     """Each test on both counter stores: the database (the embedded default) and Redis."""
     settings.REDIS_URL = redis_server.url if request.param == "redis" else ""
-    limits._store = None
+    counters._store = None
     yield request.param
     if request.param == "redis":
         asyncio.run(_flush(redis_server.url))
-    limits._store = None
+    counters._store = None
     close_db_thread()
 
 
@@ -53,7 +53,7 @@ def lose_every_counter(store: str, settings: Any) -> None:
         asyncio.run(_flush(settings.REDIS_URL))
     else:
         LimitCounter.objects.all().delete()
-    limits._store = None
+    counters._store = None
 
 
 def spend(key: Any, tokens: int) -> None:
@@ -72,7 +72,7 @@ def reserve(raw_key: str, tokens: int) -> limits.Reservation:
     try:
         return asyncio.run(go())
     finally:
-        limits._store = None  # its client belongs to the loop that just ended
+        counters._store = None  # its client belongs to the loop that just ended
 
 
 def test_a_lost_key_counter_is_lifted_to_the_recorded_spend(

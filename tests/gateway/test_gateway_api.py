@@ -18,7 +18,7 @@ from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
 from control.views import health
-from gateway.ledger.usage import recorder
+from gateway.ledger.recorder import recorder
 from gateway.relay.routes import RELAY_ROUTES
 from gateway.routing.upstreams import upstreams
 from tests.harness.asgi import call_http

@@ -14,7 +14,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from gateway.errors import ApiError
-from gateway.identity import limits
+from gateway.identity import counters, limits
 from gateway.identity.keys import KeyInfo, Scope, narrowest_models
 from gateway.relay import counting
 from tests.harness.live import close_db_thread
@@ -62,14 +62,14 @@ def test_a_key_without_limits_takes_no_counter() -> None:
 
 
 def test_rpm_takes_one_and_tpm_and_budget_take_the_estimate() -> None:
-    counters = limits.counters_for(key(rpm=5, tpm=1000, budget=10**6), 120, NOW)
-    assert [(c.kind, c.amount, c.limit) for c in counters] == [
+    taken = limits.counters_for(key(rpm=5, tpm=1000, budget=10**6), 120, NOW)
+    assert [(c.kind, c.amount, c.limit) for c in taken] == [
         ("rpm", 1, 5),
         ("tpm", 120, 1000),
         ("budget", 120, 10**6),
     ]
     minute_end = datetime(2026, 3, 18, 12, 31, tzinfo=UTC).timestamp()
-    assert counters[0].window_end == counters[1].window_end == minute_end
+    assert taken[0].window_end == taken[1].window_end == minute_end
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,7 @@ def test_refusals_are_429_with_retry_after_until_the_window_ends() -> None:
     rpm, _, budget = limits.counters_for(key(rpm=1, tpm=10, budget=10), 5, NOW)
     assert limits.refusal(rpm, NOW).retry_after == pytest.approx(15)
     assert limits.refusal(budget, NOW).code == "insufficient_quota"
-    too_big = limits.Counter("x", "tpm", 10, 50, NOW + 15)
+    too_big = counters.Counter("x", "tpm", 10, 50, NOW + 15)
     error = limits.refusal(too_big, NOW)
     assert error.status == 429 and error.retry_after is None  # waiting would not help
 
@@ -146,11 +146,11 @@ def test_the_database_store_never_lets_racers_past_the_limit() -> None:
     """Eight threads, each its own connection, forty reservations against a limit of 15."""
     from django.db import connection
 
-    counters = limits.counters_for(key(rpm=15, tpm=10**6), 10, NOW)
+    taken = limits.counters_for(key(rpm=15, tpm=10**6), 10, NOW)
 
     def take() -> bool:
         try:
-            return limits._take_in_store(counters) is None
+            return counters._take_in_store(taken) is None
         finally:
             connection.close()
 
@@ -161,21 +161,21 @@ def test_the_database_store_never_lets_racers_past_the_limit() -> None:
 @pytest.mark.django_db(transaction=True)
 def test_a_refused_counter_rolls_back_the_ones_taken_before_it() -> None:
     rpm, tpm = limits.counters_for(key(rpm=10, tpm=100), 60, NOW)
-    assert limits._take_in_store([rpm, tpm]) is None
-    assert limits._take_in_store([rpm, tpm]) == tpm  # 120 > 100
+    assert counters._take_in_store([rpm, tpm]) is None
+    assert counters._take_in_store([rpm, tpm]) == tpm  # 120 > 100
     from gateway.models import LimitCounter
 
     used = dict(LimitCounter.objects.values_list("name", "used"))
     assert used == {rpm.name: 1, tpm.name: 60}
-    limits._adjust_in_store([tpm], -50)  # the request used 10 of its 60
+    counters._adjust_in_store([tpm], -50)  # the request used 10 of its 60
     assert LimitCounter.objects.get(name=tpm.name).used == 10
-    assert limits._take_in_store([rpm, tpm]) is None
+    assert counters._take_in_store([rpm, tpm]) is None
 
 
 @pytest.mark.django_db(transaction=True)
 async def test_reserve_raises_429_when_a_limit_is_reached(settings: Any) -> None:
     settings.REDIS_URL = ""
-    limits._store = None
+    counters._store = None
     limited = key(rpm=2)
     await limits.reserve(limited, 1, NOW)
     await limits.reserve(limited, 1, NOW)
@@ -186,7 +186,7 @@ async def test_reserve_raises_429_when_a_limit_is_reached(settings: Any) -> None
 
 
 async def test_the_redis_store_is_atomic_under_concurrency(redis_server: RedisServer) -> None:
-    store = limits.RedisStore(redis_server.url)
+    store = counters.RedisStore(redis_server.url)
     rpm, tpm = limits.counters_for(key(rpm=25, tpm=10**6), 7, NOW)
     results = await asyncio.gather(*(store.take([rpm, tpm]) for _ in range(60)))
     assert sum(r is None for r in results) == 25
@@ -203,10 +203,10 @@ async def test_a_named_correction_counts_once_however_often_it_is_sent(
 ) -> None:
     """G21: a correction (or a release) whose answer was lost is sent again: it counts once,
     and a release for a take that never happened changes nothing."""
-    store = limits.RedisStore(redis_server.url)
+    store = counters.RedisStore(redis_server.url)
     rpm, tpm = limits.counters_for(key(rpm=100, tpm=10**6), 50, NOW + 7200)
 
-    async def used(counter: limits.Counter) -> int:
+    async def used(counter: counters.Counter) -> int:
         return int(await store._client.get(f"llmgw:{counter.name}") or 0)
 
     assert await store.take([rpm, tpm], "req_a") is None
@@ -232,7 +232,7 @@ async def test_corrections_redis_did_not_take_are_sent_again_once_it_answers(
     """G21: Redis cut off when a request settles; the correction waits and lands, once."""
     proxy = TcpProxy(redis_server.port)
     settings.REDIS_URL = f"redis://127.0.0.1:{proxy.port}/0"
-    monkeypatch.setattr(limits, "_store", None)
+    monkeypatch.setattr(counters, "_store", None)
     monkeypatch.setattr(limits.Corrections, "RETRY_EVERY_S", 0.05)
     try:
         reservation = await limits.reserve(key(tpm=10**6), 50, NOW + 7200, request_id="req_c")
@@ -242,8 +242,8 @@ async def test_corrections_redis_did_not_take_are_sent_again_once_it_answers(
         proxy.restore()
         await await_until(lambda: not limits.owed.pending, what="the correction sent again")
         (counter,) = reservation.token_counters()
-        store = limits.store()
-        assert isinstance(store, limits.RedisStore)
+        store = counters.store()
+        assert isinstance(store, counters.RedisStore)
         assert int(await store._client.get(f"llmgw:{counter.name}")) == 10
         limits.settle(reservation, 10)  # sent again: changes nothing
         await await_until(lambda: not limits._background, what="the second settle")
@@ -258,7 +258,7 @@ async def test_limits_that_cannot_be_checked_are_not_waived(
     settings: Any, request: pytest.FixtureRequest
 ) -> None:
     settings.REDIS_URL = ""
-    limits._store = None
+    counters._store = None
     close_db_thread()
     # In the database thread: that is the connection the lookups use.
     await sync_to_async(request.getfixturevalue)("store_unreachable")

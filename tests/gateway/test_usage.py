@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from gateway.ledger import recorder as pipeline
 from gateway.ledger import usage
 from gateway.ledger.usage import Usage
 from gateway.models import UsageRecord
@@ -86,7 +87,7 @@ def test_journal_lines_read_back_whatever_model_name_a_client_sent(tmp_path: Pat
     write_journal(
         path,
         [
-            usage._line("d", Usage(f"r{i}", None, None, name, "chat", 1.0))
+            usage.journal_line("d", Usage(f"r{i}", None, None, name, "chat", 1.0))
             for i, name in enumerate(names)
         ],
     )
@@ -100,9 +101,9 @@ def test_a_dead_processs_journal_is_replayed_and_open_requests_closed(tmp_path: 
     write_journal(
         tmp_path / journal_name(111),
         [
-            usage._line("s", finished_start),
-            usage._line("s", started),
-            usage._line("d", done),
+            usage.journal_line("s", finished_start),
+            usage.journal_line("s", started),
+            usage.journal_line("d", done),
             b'{"t":"d","request_id":"cut-sho',  # the last line of a process killed mid-write
         ],
     )
@@ -117,7 +118,7 @@ def test_a_dead_processs_journal_is_replayed_and_open_requests_closed(tmp_path: 
 
 def test_a_live_processs_journal_is_left_alone(tmp_path: Path) -> None:
     path = tmp_path / journal_name(222)
-    write_journal(path, [usage._line("s", record("busy"))])
+    write_journal(path, [usage.journal_line("s", record("busy"))])
     fd = os.open(path, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as its owner holds it while alive
     try:
@@ -134,7 +135,7 @@ async def test_the_recorder_writes_in_batches_and_rotates_its_journal(
     from asgiref.sync import sync_to_async
 
     settings.LLMGW_USAGE_JOURNAL_DIR = tmp_path
-    recorder = usage.Recorder()
+    recorder = pipeline.Recorder()
     in_flight = record("still-running")
     recorder.start(in_flight)
     for i in range(5):
@@ -144,7 +145,7 @@ async def test_the_recorder_writes_in_batches_and_rotates_its_journal(
     mine = UsageRecord.objects.filter(request_id__in=[f"r{i}" for i in range(5)])
     assert await sync_to_async(mine.count)() == 5
     first = recorder._path
-    recorder._segment_started -= usage.SEGMENT_SECONDS  # an old segment: rotate after a flush
+    recorder._segment_started -= pipeline.SEGMENT_SECONDS  # an old segment: rotate after a flush
     recorder.finish(record("r5", status=200))
     await recorder.flush()
     assert recorder._path != first and first is not None and not first.exists()
@@ -177,7 +178,7 @@ def test_counts_no_row_can_hold_are_clamped_and_every_row_is_stored() -> None:
 
 
 def test_clamped_counts_are_counted_in_the_metric_and_named_in_one_event_a_minute() -> None:
-    recorder = usage.Recorder()
+    recorder = pipeline.Recorder()
     before = counted("llmgw_usage_clamped")
     clamped = (("prompt_tokens", "-5000"), ("completion_tokens", str(10**23)))
     for request_id in ("a", "b"):
@@ -220,7 +221,7 @@ async def test_the_recorder_keeps_recording_after_a_row_the_store_refuses(
     from asgiref.sync import sync_to_async
 
     settings.LLMGW_USAGE_JOURNAL_DIR = tmp_path
-    recorder = usage.Recorder()
+    recorder = pipeline.Recorder()
     recorder.finish(record("poison", status=-1))
     recorder.finish(record("before", status=200))
     assert await recorder.flush() == 2
@@ -240,9 +241,9 @@ def test_replay_of_a_journal_with_impossible_numbers_finishes_and_stores_the_res
     write_journal(
         tmp_path / journal_name(333),
         [
-            usage._line("d", record("overflow", status=200, prompt_tokens=10**23)),
-            usage._line("d", record("refused", status=-1)),
-            usage._line("d", record("plain", status=200, completion_tokens=2)),
+            usage.journal_line("d", record("overflow", status=200, prompt_tokens=10**23)),
+            usage.journal_line("d", record("refused", status=-1)),
+            usage.journal_line("d", record("plain", status=200, completion_tokens=2)),
         ],
     )
     assert usage.sweep(tmp_path) == 3
@@ -258,7 +259,7 @@ def test_a_journal_written_for_another_store_is_not_replayed_into_this_one(
     tmp_path: Path,
 ) -> None:
     other = tmp_path / "0123456789ab.444-aa.journal"
-    write_journal(other, [usage._line("d", record("elsewhere", status=200))])
+    write_journal(other, [usage.journal_line("d", record("elsewhere", status=200))])
     assert usage.sweep(tmp_path) == 0
     assert other.exists() and not UsageRecord.objects.filter(request_id="elsewhere").exists()
 
@@ -269,7 +270,7 @@ def test_replay_command_never_fails_start_up_when_the_store_refuses(
     from django.core.management import call_command
     from django.db import OperationalError
 
-    write_journal(tmp_path / journal_name(555), [usage._line("d", record("later"))])
+    write_journal(tmp_path / journal_name(555), [usage.journal_line("d", record("later"))])
 
     def down(*args: Any, **kwargs: Any) -> int:
         raise OperationalError("the store is down")
@@ -286,7 +287,7 @@ def test_journals_and_dead_letters_are_owner_only_whatever_the_umask(
     web process has a umask that lets everyone read and write (000)."""
     folder = tmp_path / "usage"
     settings.LLMGW_USAGE_JOURNAL_DIR = folder
-    recorder = usage.Recorder()
+    recorder = pipeline.Recorder()
     with umask(0):
         usage.store_rows([record("refused", status=-1)])  # the dead letters' folder first
         recorder.start(record("in-flight"))

@@ -1,8 +1,10 @@
-"""The layers contract (``pyproject.toml``, checked by ``lint-imports``) names every module of
-``llmgw_site``: a module it does not name is checked by no layer at all."""
+"""The layout holds: the layers contract (``pyproject.toml``, checked by ``lint-imports``) names
+every module of ``llmgw_site`` (a module it does not name is checked by no layer at all), and no
+module outgrows what a newcomer can read as one idea."""
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import tomllib
 
@@ -21,3 +23,22 @@ def test_the_layers_contract_names_every_module_of_the_site() -> None:
     modules = {f"llmgw_site.{m.name}" for m in pkgutil.iter_modules(llmgw_site.__path__)}
     assert modules - named == set()
     assert {"llmgw_site.settings", "llmgw_site.config"} <= modules
+
+
+MAX_MODULE_LINES = 600
+# Not ours to split: tests, migrations and the code protoc generates.
+NOT_JUDGED = ("tests", "migrations", ".venv", "var", "build", "dist")
+
+
+def test_no_module_is_over_600_lines_unless_its_docstring_says_why_it_is_one_idea() -> None:
+    too_long = {}
+    for path in REPO_ROOT.rglob("*.py"):
+        relative = path.relative_to(REPO_ROOT)
+        if set(relative.parts) & set(NOT_JUDGED) or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        source = path.read_text()
+        lines = source.count("\n")
+        docstring = ast.get_docstring(ast.parse(source)) or ""
+        if lines > MAX_MODULE_LINES and "one idea" not in docstring:
+            too_long[str(relative)] = lines
+    assert too_long == {}
