@@ -81,7 +81,9 @@ _redis: Any = None
 def _client() -> Any:
     global _redis
     if _redis is None:
-        _redis = redis.Redis.from_url(settings.REDIS_URL, **counter_redis_options())
+        _redis = redis.Redis.from_url(
+            settings.REDIS_URL, **counter_redis_options(settings.LLMGW_STORE_WAIT)
+        )
     return _redis
 
 

@@ -36,12 +36,10 @@ from redis.exceptions import RedisError
 
 from control.models import StreamCounter
 from control.node_tokens import NodeIdentity
-from llmgw_site.config import counter_redis_options
+from llmgw_site.config import HANDSHAKE_REDIS_TIMEOUT_S, counter_redis_options
 
 logger = logging.getLogger(__name__)
 
-# A handshake waits on a Redis that does not answer for llmgw_site.config's
-# COUNTER_REDIS_TIMEOUT_S before the store counts.
 PURGE_EVERY_S: Final = 300.0
 
 
@@ -110,7 +108,8 @@ _clients: dict[str, Any] = {}
 
 def _client(url: str) -> Any:
     if url not in _clients:
-        _clients[url] = redis.Redis.from_url(url, **counter_redis_options())
+        options = counter_redis_options(HANDSHAKE_REDIS_TIMEOUT_S)
+        _clients[url] = redis.Redis.from_url(url, **options)
     return _clients[url]
 
 

@@ -39,17 +39,21 @@ CHANNEL_LAYER_READ_TIMEOUT_S = 30.0
 
 
 # The Redis clients that keep counters (the gateway's limits and counts, the agents' stream
-# counts) give up on a Redis that does not answer within this long. redis-py 8 waits 5 s for a
-# connection or a read by default: that long for each call of a request against a Redis that
-# drops packets (measured: a PING 5.0 s, here 1.0 s). Nor is a failed call retried: one whose
-# answer was lost may have counted already (redis-py 8 retries a call ten times by default);
-# a pooled connection that a restarted Redis dropped is replaced by the pool before use.
-COUNTER_REDIS_TIMEOUT_S = 1.0
+# counts) give up on a Redis that does not answer within a timeout of their own: the gateway's
+# within LLMGW_STORE_WAIT, as a request waits for the store; the agents' handshakes within
+# this long before the store counts instead. redis-py 8 waits 5 s for a connection or a read
+# by default, and retries a call ten times. Nor is a failed call retried here: one whose
+# answer was lost may have counted already; a pooled connection that a restarted Redis dropped
+# is replaced by the pool before use. The wait is wall time on this process's event loop, so
+# it must outlast a busy process's stalls: at 1 s, fifty requests at once on a loaded 2-core
+# machine had six answered 503 limits_unavailable by a Redis that was there all along.
+HANDSHAKE_REDIS_TIMEOUT_S = 1.0
 
 
-def counter_redis_options(*, for_asyncio: bool = False) -> dict[str, Any]:
+def counter_redis_options(timeout: float, *, for_asyncio: bool = False) -> dict[str, Any]:
     """Timeouts and retries for a counters' Redis client (``redis.Redis.from_url(url, **...)``,
-    or ``redis.asyncio`` with ``for_asyncio``)."""
+    or ``redis.asyncio`` with ``for_asyncio``): a call not answered within ``timeout`` seconds
+    fails, and none is retried."""
     from redis.backoff import NoBackoff  # noqa: PLC0415 - only processes that use Redis pay
 
     if for_asyncio:
@@ -60,7 +64,6 @@ def counter_redis_options(*, for_asyncio: bool = False) -> dict[str, Any]:
         from redis.retry import Retry  # noqa: PLC0415
 
         retry = Retry(NoBackoff(), 0)
-    timeout = COUNTER_REDIS_TIMEOUT_S
     return {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": retry}
 
 

@@ -94,13 +94,13 @@ MARKER_TTL_S = 86_400
 class RedisStore:
     """Counters in Redis. No call is retried (a call whose answer was lost may have counted,
     and counting it again would count twice), and one that Redis does not answer fails within
-    ``COUNTER_REDIS_TIMEOUT_S``."""
+    ``LLMGW_STORE_WAIT``, as a call to the store would."""
 
     corrects_once = True
 
     def __init__(self, url: str) -> None:
         self._client: Any = redis_asyncio.Redis.from_url(
-            url, **counter_redis_options(for_asyncio=True)
+            url, **counter_redis_options(settings.LLMGW_STORE_WAIT, for_asyncio=True)
         )
         self._take: Any = self._client.register_script(_TAKE_LUA)
         self._once: Any = self._client.register_script(_ONCE_LUA)
@@ -238,7 +238,9 @@ def raise_counters(counters: Sequence[Counter]) -> int:
     if not counters:
         return 0
     if settings.REDIS_URL:
-        client: Any = redis_sync.Redis.from_url(settings.REDIS_URL, **counter_redis_options())
+        client: Any = redis_sync.Redis.from_url(
+            settings.REDIS_URL, **counter_redis_options(settings.LLMGW_STORE_WAIT)
+        )
         try:
             now = time.time()
             args: list[int] = []
