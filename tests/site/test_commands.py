@@ -389,3 +389,21 @@ def test_delete_profile_refuses_a_profile_in_use_and_deletes_a_spare_one() -> No
     assert run("delete_profile", "vllm-tp2") == "vllm-tp2: deleted\n"
     assert list(model.profiles.values_list("name", flat=True)) == ["llama3-sim"]
     assert Event.objects.get().message == f"deleted by cli:{getpass.getuser()} (offered by llama3)"
+
+
+@pytest.mark.django_db
+def test_a_start_up_makes_its_administrator_beside_a_plain_user_named_admin() -> None:
+    """A user called ``admin`` who is not a superuser (made with ``create_user``) neither stops
+    the start-up nor becomes its administrator: the new superuser takes the next free name."""
+    from llmgw_site.management.commands.run import ensure_admin
+
+    run("create_user", "admin")
+    User.objects.create_user("admin-2")
+    password = ensure_admin()
+    assert password
+    made = User.objects.get(is_superuser=True)
+    assert made.username == "admin-3" and made.check_password(password)
+    plain = User.objects.get(username="admin")
+    assert not plain.is_superuser and not plain.is_staff and not plain.has_usable_password()
+    assert ensure_admin() is None  # one superuser is enough; nothing more is made
+    assert User.objects.filter(is_superuser=True).count() == 1

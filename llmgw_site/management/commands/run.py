@@ -51,12 +51,24 @@ LOCAL_NODE = "local"
 
 
 def ensure_admin(username: str = "admin") -> str | None:
-    """Create a superuser when there is none; return its new password, or None if one exists."""
+    """Create a superuser when there is none; return its new password, or None if one exists.
+
+    A user who is not a superuser may hold the name already (made by ``create_user`` or the
+    admin): the new one takes the first free name after it (``admin-2``...), never that
+    user's account, which a start-up must not raise to superuser nor give a new password."""
     user_model = get_user_model()
     if user_model.objects.filter(is_superuser=True).exists():
         return None
+    taken = set(
+        user_model.objects.filter(username__startswith=username).values_list("username", flat=True)
+    )
+    free = next(
+        name
+        for name in (username, *(f"{username}-{n}" for n in range(2, len(taken) + 3)))
+        if name not in taken
+    )
     password = secrets.token_urlsafe(12)
-    user_model.objects.create_superuser(username=username, email="", password=password)
+    user_model.objects.create_superuser(username=free, email="", password=password)
     return password
 
 
