@@ -36,10 +36,12 @@ from redis.exceptions import RedisError
 
 from control.models import StreamCounter
 from control.node_tokens import NodeIdentity
-from llmgw_site.config import HANDSHAKE_REDIS_TIMEOUT_S, counter_redis_options
+from llmgw_site.config import counter_redis_options
 
 logger = logging.getLogger(__name__)
 
+# A handshake waits this long on a Redis that does not answer before the store counts.
+REDIS_TIMEOUT_S: Final = 1.0
 PURGE_EVERY_S: Final = 300.0
 
 
@@ -108,8 +110,7 @@ _clients: dict[str, Any] = {}
 
 def _client(url: str) -> Any:
     if url not in _clients:
-        options = counter_redis_options(HANDSHAKE_REDIS_TIMEOUT_S)
-        _clients[url] = redis.Redis.from_url(url, **options)
+        _clients[url] = redis.Redis.from_url(url, **counter_redis_options(REDIS_TIMEOUT_S))
     return _clients[url]
 
 

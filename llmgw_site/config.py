@@ -39,15 +39,10 @@ CHANNEL_LAYER_READ_TIMEOUT_S = 30.0
 
 
 # The Redis clients that keep counters (the gateway's limits and counts, the agents' stream
-# counts) give up on a Redis that does not answer within a timeout of their own: the gateway's
-# within LLMGW_STORE_WAIT, as a request waits for the store; the agents' handshakes within
-# this long before the store counts instead. redis-py 8 waits 5 s for a connection or a read
-# by default, and retries a call ten times. Nor is a failed call retried here: one whose
-# answer was lost may have counted already; a pooled connection that a restarted Redis dropped
-# is replaced by the pool before use. The wait is wall time on this process's event loop, so
-# it must outlast a busy process's stalls: at 1 s, fifty requests at once on a loaded 2-core
-# machine had six answered 503 limits_unavailable by a Redis that was there all along.
-HANDSHAKE_REDIS_TIMEOUT_S = 1.0
+# counts) give up on a Redis that does not answer within a timeout each caller names: redis-py
+# 8 waits 5 s for a connection or a read by default, and retries a call ten times. Nor is a
+# failed call retried here: one whose answer was lost may have counted already; a pooled
+# connection that a restarted Redis dropped is replaced by the pool before use.
 
 
 def counter_redis_options(timeout: float, *, for_asyncio: bool = False) -> dict[str, Any]:

@@ -94,7 +94,9 @@ MARKER_TTL_S = 86_400
 class RedisStore:
     """Counters in Redis. No call is retried (a call whose answer was lost may have counted,
     and counting it again would count twice), and one that Redis does not answer fails within
-    ``LLMGW_STORE_WAIT``, as a call to the store would."""
+    ``LLMGW_STORE_WAIT``, as a call to the store would: the wait is wall time on a busy
+    event loop (at 1 s, fifty requests at once on a loaded 2-core machine had six answered 503
+    ``limits_unavailable`` by a Redis that was there all along)."""
 
     corrects_once = True
 

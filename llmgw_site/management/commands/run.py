@@ -62,11 +62,10 @@ def ensure_admin(username: str = "admin") -> str | None:
     taken = set(
         user_model.objects.filter(username__startswith=username).values_list("username", flat=True)
     )
-    free = next(
-        name
-        for name in (username, *(f"{username}-{n}" for n in range(2, len(taken) + 3)))
-        if name not in taken
-    )
+    free, n = username, 1
+    while free in taken:
+        n += 1
+        free = f"{username}-{n}"
     password = secrets.token_urlsafe(12)
     user_model.objects.create_superuser(username=free, email="", password=password)
     return password
