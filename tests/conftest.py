@@ -111,6 +111,12 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: N
     """One test database per pytest run, so runs side by side (two checkouts, a developer and
     an editor's test runner) never create or drop each other's database."""
     _set_suffix_to_test_databases(os.environ.get("LLMGW_TEST_DB_SUFFIX") or f"p{os.getpid()}")
+    # An SQLite store's folder (the Makefile's var/) exists on a fresh checkout only once
+    # something has run there: the tests keep their own var folder elsewhere (process_dirs).
+    if connection.vendor == "sqlite":
+        name = str(connection.settings_dict["TEST"]["NAME"] or connection.settings_dict["NAME"])
+        if not name.startswith("file:") and name != ":memory:":
+            Path(name).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 @pytest.fixture(scope="session")

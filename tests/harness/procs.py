@@ -32,10 +32,36 @@ PORT_WINDOW = 50
 
 
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
+    """A TCP port on loopback that nothing is bound to right now, from a window of ports this
+    test process holds (:func:`port_window`). Not one the kernel picks: a port from its
+    ephemeral range is free only until the kernel hands it out again, to any connection's local
+    end or any ``bind(0)`` on the machine, and a server told to listen there a moment later
+    found it taken ("Address already in use")."""
+    global _next_listener
+    for _ in range(2):
+        for _ in range(len(_listener_ports)):
+            port = _listener_ports[_next_listener % len(_listener_ports)]
+            _next_listener += 1
+            if bindable(port):
+                return port
+        low, high = port_window()
+        _listener_ports.extend(range(low, high + 1))
+    raise AssertionError("no free port in this process's windows or a new one")
+
+
+_listener_ports: list[int] = []  # the windows this process took for free_port, in order
+_next_listener = 0  # where free_port looks next: it goes round them, oldest use first
+
+
+def bindable(port: int) -> bool:
+    """Nothing is bound to 127.0.0.1:``port`` (without SO_REUSEADDR: not even a closing
+    connection)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def port_open(port: int) -> bool:
@@ -53,8 +79,8 @@ _held_windows: dict[int, int] = {}  # window start -> the open descriptor holdin
 
 def port_window(taken: Collection[int] = ()) -> tuple[int, int]:
     """A window of ``PORT_WINDOW`` engine ports, none in use now, below the kernel's ephemeral
-    range (so ``free_port`` cannot hand one out), and held by no other test process on this
-    machine. ``taken``: window starts already given out."""
+    range (so no connection's local end or ``bind(0)`` takes one), and held by no other test
+    process on this machine. ``taken``: window starts already given out."""
     for _ in range(400):
         low = random.randrange(21000, 32000 - PORT_WINDOW, PORT_WINDOW)
         if low in taken or low in _held_windows:
