@@ -138,19 +138,24 @@ async def traffic_across(
 
     async def one_request() -> None:
         seen.requests_sent += 1
+        sent = loop.time()
         try:
             await client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
             seen.requests_ok += 1
         except Exception as error:
-            seen.request_errors.append(f"{error!r} caused by {error.__cause__!r}")
+            # When, from the action, it was sent and failed: to tell a race at the change from
+            # one at its end.
+            since = f"sent {sent - acted:+.2f}s, failed {loop.time() - acted:+.2f}s from the action"
+            seen.request_errors.append(f"{error!r} caused by {error.__cause__!r}, {since}")
 
+    loop = asyncio.get_running_loop()
     streams = [asyncio.create_task(one_stream()) for _ in range(STREAMS)]
     requests: list[asyncio.Task[None]] = []
     await asyncio.sleep(1.5)  # every stream connected and under way
+    acted = loop.time()
     await asyncio.to_thread(action)
-    loop = asyncio.get_running_loop()
     deadline = loop.time() + 90
     while loop.time() < deadline and not (all(s.done() for s in streams) and then()):
         requests.append(asyncio.create_task(one_request()))
@@ -164,9 +169,14 @@ async def traffic_across(
     return seen
 
 
-def assert_clean(seen: Traffic) -> None:
-    assert seen.stream_errors == [], seen.stream_errors[:5]
-    assert seen.request_errors == [], seen.request_errors[:5]
+def assert_clean(seen: Traffic, run: Run) -> None:
+    # What the servers said and counted, for a failure to explain itself.
+    scraped = httpx.get(f"http://127.0.0.1:{run.metrics_port}/metrics", timeout=60).text
+    deadlines = [s for s in scraped.splitlines() if s.startswith("llmgw_slow_clients_closed")]
+    said = f"\n--- run's log ---\n{run.proc.tail(40)}\n--- closed by deadline ---\n"
+    said += "\n".join(deadlines)
+    assert seen.stream_errors == [], f"{seen.stream_errors[:5]}{said}"
+    assert seen.request_errors == [], f"{seen.request_errors[:5]}{said}"
     assert seen.streams_done == STREAMS and seen.short_events == 0
     # Every request answered, some of them sent while the change was under way (how many
     # depends on how fast a loaded machine makes the change, so no count is asked for).
@@ -210,7 +220,7 @@ def test_sighup_replaces_web_processes_with_no_client_visible_error(run: Run) ->
 
     seen = asyncio.run(traffic_across(run, lambda: run.proc.signal(signal.SIGHUP), then=replaced))
     assert replaced(), "the web processes were not replaced"
-    assert_clean(seen)
+    assert_clean(seen, run)
 
 
 def test_sigterm_of_one_web_process_of_two_loses_nothing(run: Run) -> None:
@@ -224,4 +234,4 @@ def test_sigterm_of_one_web_process_of_two_loses_nothing(run: Run) -> None:
         traffic_across(run, lambda: os.kill(victim, signal.SIGTERM), then=victim_gone)
     )
     assert victim_gone()
-    assert_clean(seen)
+    assert_clean(seen, run)
