@@ -436,9 +436,12 @@ LLMGW_ROUTING_MAX_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MAX_BLOCKS", 512, 
 # than one upstream's share of the traffic is bounded by the mean alone.
 LLMGW_ROUTING_LOAD_FACTOR: float = _read(env_float, "LLMGW_ROUTING_LOAD_FACTOR", 1.25, minimum=1.0)
 LLMGW_ROUTING_LOAD_SLACK: int = _read(env_int, "LLMGW_ROUTING_LOAD_SLACK", 16, minimum=1)
-# A prefix nobody holds goes to the first upstream in its agreed (rendezvous) order under the
-# mean-based bound, or with fewer outstanding requests than this.
-LLMGW_ROUTING_COLD_SLACK: int = _read(env_int, "LLMGW_ROUTING_COLD_SLACK", 2, minimum=1)
+# A prefix nobody holds goes to the first upstream in its agreed (rendezvous) order among those
+# with at most this many more outstanding requests than the least loaded.
+LLMGW_ROUTING_COLD_SLACK: int = _read(env_int, "LLMGW_ROUTING_COLD_SLACK", 1, minimum=0)
+# The web processes of one host tell each other where they routed each prompt
+# (gateway.routing.peers), so a conversation's next turn finds its history whichever takes it.
+LLMGW_ROUTING_SHARE: bool = _read(env_bool, "LLMGW_ROUTING_SHARE", True)
 # Blocks remembered per upstream whose cache size is not known (engines that report theirs are
 # remembered up to it): 8,192 blocks are 8 MiB of prompt text, about two million tokens.
 LLMGW_ROUTING_MIRROR_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MIRROR_BLOCKS", 8192, minimum=32)

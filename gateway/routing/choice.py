@@ -56,7 +56,7 @@ class Bounds:
 
     factor: float = 1.25
     slack: int = 16  # what a cool prefix's upstream may hold before the mean bounds it
-    cold_slack: int = 2  # what a new prefix's agreed upstream may hold before the mean bounds it
+    cold_slack: int = 1  # how many more than the least loaded a new prefix's upstream may hold
     hot_slack: int = 1  # a prefix hotter than one upstream's share: bounded by the mean alone
 
 
@@ -162,15 +162,19 @@ def choose_cached(
         least = choose(pool, outstanding, {}, now, offset=offset)
         assert least is not None
         return Choice(least, LEAST_LOADED, 0)
+    if outcome == COLD:
+        # Nothing is cached to lose, so load decides: the first in the rendezvous order among
+        # the upstreams within ``cold_slack`` of the least loaded. Processes that see alike
+        # loads (an idle fleet, a burst's first requests) agree without talking; where their
+        # loads differ, the placement itself reaches the host's other processes
+        # (``gateway.routing.peers``), so the next request of the prefix finds it cached.
+        fewest = min(outstanding.get(u.id, 0) for u in pool)
+        for rank, upstream in enumerate(order):
+            if outstanding.get(upstream.id, 0) <= fewest + bounds.cold_slack:
+                return Choice(upstream, COLD if rank == 0 else SPILLED, 0)
     total = sum(outstanding.get(u.id, 0) for u in pool)
     weight = sum(u.weight for u in pool)
-    if outcome == COLD:
-        # Nothing is lost by going elsewhere but agreement, and agreement is what keeps a
-        # new conversation on one upstream whichever process takes its next turn: its
-        # rendezvous order, bounded by the mean alone.
-        slack = bounds.cold_slack
-    else:
-        slack = bounds.hot_slack if placement.hot else bounds.slack
+    slack = bounds.hot_slack if placement.hot else bounds.slack
     for rank, upstream in enumerate(order):
         if outstanding.get(upstream.id, 0) < bound_of(
             upstream, total, weight, slack, bounds.factor

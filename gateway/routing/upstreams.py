@@ -19,6 +19,7 @@ reloads').
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import gc
@@ -44,6 +45,7 @@ from gateway.models import Endpoint
 from gateway.routing import prefix
 from gateway.routing.choice import LEAST_LOADED, Bounds, Choice, Placement, choose_cached
 from gateway.routing.mirrors import Learned, Mirrors
+from gateway.routing.peers import Peers
 from gateway.routing.shares import Shares
 from gateway.routing.table import (
     CatalogRow,
@@ -156,6 +158,8 @@ class Upstreams:
         # What each upstream's prefix cache is expected to hold (routing by the cache).
         self.mirrors = Mirrors(int(settings.LLMGW_ROUTING_MIRROR_BLOCKS))
         self.shares = Shares()  # each prefix's (or session's) part of the recent traffic
+        self.peers: Peers | None = None  # this host's other web processes, told each placement
+        self._routed_ids: frozenset[str] = frozenset()  # the upstreams the table routes to
 
     # --- the table ------------------------------------------------------------------------
 
@@ -181,6 +185,7 @@ class Upstreams:
             self._wake = asyncio.Event()
             self._first_load = loop.create_future()
             self._task = loop.create_task(self._run(), name="llmgw-routing-refresh")
+            self._share_placements(loop)
         assert self._first_load is not None
         await asyncio.shield(self._first_load)
 
@@ -194,12 +199,31 @@ class Upstreams:
         if refreshed is not None:
             refreshed.set()
 
+    def _share_placements(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Exchange placements with this host's other web processes (``gateway.routing.peers``)
+        when routing by the cache."""
+        if self.peers is not None or not settings.LLMGW_ROUTING_SHARE:
+            return
+        if settings.LLMGW_ROUTING_POLICY != "cache_aware":
+            return
+        peers = Peers(settings.VAR_DIR / "routing-peers", self._held_by_peer, self.outstanding)
+        if peers.start(loop):
+            self.peers = peers
+            atexit.register(peers.close)
+
+    def _held_by_peer(self, upstream_id: str, keys: tuple[int, ...]) -> None:
+        """A peer routed a prompt with these blocks to ``upstream_id``: as if this process had.
+        Only an upstream this process routes to (its mirrors stay bounded by the table)."""
+        if upstream_id in self._routed_ids:
+            self.mirrors.hold(upstream_id, keys)
+
     def remember(self, table: Table) -> None:
         """Keep what was learned of the caches of the upstreams ``table`` routes to, each
         bounded by its cache's size where its engine reported one: a replica that restarted,
         drained or left takes what was learned of its cache along."""
         block_bytes = int(settings.LLMGW_ROUTING_BLOCK_BYTES)
         size = self.mirrors.token_bytes
+        self._routed_ids = frozenset(table.upstreams())
         self.mirrors.retain(
             {
                 uid: (
@@ -237,6 +261,8 @@ class Upstreams:
         assert self._wake is not None and self._first_load is not None
         reload_at = -math.inf
         while True:
+            if self.peers is not None:
+                self.peers.heartbeat()  # first: a slow store must not silence this process
             try:
                 if self._reload_wanted or time.monotonic() >= reload_at:
                     self._reload_wanted = False
@@ -317,7 +343,7 @@ class Upstreams:
         hot = key is not None and self.shares.count(key) * len(route.upstreams) > 1.0
         choice = choose_cached(
             route.upstreams,
-            self.outstanding,
+            self._host_outstanding(route),
             self.ejected_until,
             now,
             placement=Placement(
@@ -333,7 +359,18 @@ class Upstreams:
         )
         if choice is not None:
             self.mirrors.hold(choice.upstream.id, blocks.keys)
+            if self.peers is not None:
+                self.peers.tell(choice.upstream.id, blocks.keys)
         return choice
+
+    def _host_outstanding(self, route: Route) -> dict[str, int]:
+        """The requests outstanding at each of ``route``'s upstreams from every web process of
+        this host (this one's own, where no peer has said anything)."""
+        peers = self.peers
+        if peers is None or not peers.loads:
+            return self.outstanding
+        own, theirs = self.outstanding, peers.loads
+        return {u.id: own.get(u.id, 0) + theirs.get(u.id, 0) for u in route.upstreams}
 
     def learn(
         self,
@@ -355,6 +392,8 @@ class Upstreams:
 
     def acquire(self, upstream: Upstream) -> None:
         count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
+        if self.peers is not None:
+            self.peers.loads_changed()
         if count == 1 and upstream.id.startswith("replica:"):
             last_finished = self._active_at.get(upstream.id, -math.inf)
             if time.monotonic() - last_finished >= serving.STAMP_EVERY_S:
@@ -370,6 +409,8 @@ class Upstreams:
             self.outstanding.pop(upstream.id, None)
         else:
             self.outstanding[upstream.id] = left
+        if self.peers is not None:
+            self.peers.loads_changed()
         if upstream.id.startswith("replica:"):
             self._finished[int(upstream.id[8:])] = timezone.now()
             self._active_at[upstream.id] = time.monotonic()

@@ -1,6 +1,7 @@
 """Routing by the cache, end to end: three ``sim`` replicas with a prefix cache, two llmgw web
-processes that never talk to each other, and the official ``openai`` client. What the engines
-say of their own caches (their hit counters) is the evidence."""
+processes that never talk to each other (as on two hosts), a third on the first one's host (its
+var folder) that hears where that one routes, and the official ``openai`` client. What the
+engines say of their own caches (their hit counters) is the evidence."""
 
 from __future__ import annotations
 
@@ -122,15 +123,18 @@ def processes(
     try:
         sims = [start_sim(tmp / "engines", [MODEL], *SIM_FLAGS) for _ in range(3)]
         started += sims
+        # a and b on hosts of their own; c on a's (one var folder, as `manage.py run` starts
+        # its web processes), told each placement a makes.
         webs = [
-            start_web(tmp / f"var-{name}", LLMGW_METRICS_TOKEN=METRICS_TOKEN) for name in ("a", "b")
+            start_web(tmp / f"var-{name}", LLMGW_METRICS_TOKEN=METRICS_TOKEN)
+            for name in ("a", "b", "a")
         ]
         started += webs
         yield webs, sims, tmp
     finally:
         for proc in reversed(started):
             proc.stop()
-        for web in started[3:]:
+        for web in started[len(sims) :]:
             assert_no_secrets(web)
 
 
@@ -217,3 +221,28 @@ def test_a_restarted_replica_is_forgotten(fleet: Fleet) -> None:
 
     # Without the restart every request of a prefix held somewhere is "cached", never "cold".
     wait_until(forgotten, what="the prefix routed as new after the restart")
+
+
+def test_the_next_turn_through_the_hosts_other_process_is_routed_where_its_history_is(
+    fleet: Fleet,
+) -> None:
+    """The second turn of a conversation taken by the process of the host that did not see the
+    first: it was told where the first went, so it routes the turn as cached, to the replica
+    that holds the history (which the engine's hits confirm), not afresh."""
+    history = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": text(5, 1200)},
+    ]
+    before = fleet.served()
+    first = fleet.client(0).chat.completions.create(model=MODEL, messages=history, max_tokens=4)
+    took = fleet.wait_served(before, 1)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And then?"},
+    ]
+    cached, hits, before = fleet.decisions(2, "cached"), fleet.hits(), fleet.served()
+    fleet.client(2).chat.completions.create(model=MODEL, messages=history, max_tokens=4)
+    assert fleet.wait_served(before, 1) == took, fleet.served()
+    # (A process's counts reach its /metrics within about a second.)
+    wait_until(lambda: fleet.decisions(2, "cached") == cached + 1, what="the turn routed cached")
+    assert fleet.hits()[took[0]] - hits[took[0]] >= 1100  # the history, from the engine's cache
