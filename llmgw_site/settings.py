@@ -432,12 +432,13 @@ LLMGW_ROUTING_POLICY: str = _read(
 LLMGW_ROUTING_BLOCK_BYTES: int = _read(env_int, "LLMGW_ROUTING_BLOCK_BYTES", 1024, minimum=64)
 LLMGW_ROUTING_MAX_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MAX_BLOCKS", 512, minimum=1)
 # An upstream keeps a cached prefix's or a session's requests while its outstanding requests
-# are under factor x the mean or under the slack (this process's own count); a prefix hotter
+# are under factor x the mean or under the slack (this host's count); a prefix hotter
 # than one upstream's share of the traffic is bounded by the mean alone.
 LLMGW_ROUTING_LOAD_FACTOR: float = _read(env_float, "LLMGW_ROUTING_LOAD_FACTOR", 1.25, minimum=1.0)
-LLMGW_ROUTING_LOAD_SLACK: int = _read(env_int, "LLMGW_ROUTING_LOAD_SLACK", 16, minimum=1)
+LLMGW_ROUTING_LOAD_SLACK: int = _read(env_int, "LLMGW_ROUTING_LOAD_SLACK", 32, minimum=1)
 # A prefix nobody holds goes to the first upstream in its agreed (rendezvous) order among those
-# with at most this many more outstanding requests than the least loaded.
+# with the fewest requests awaiting a first byte and at most this many more outstanding
+# requests than the least loaded of them.
 LLMGW_ROUTING_COLD_SLACK: int = _read(env_int, "LLMGW_ROUTING_COLD_SLACK", 1, minimum=0)
 # The web processes of one host tell each other where they routed each prompt
 # (gateway.routing.peers), so a conversation's next turn finds its history whichever takes it.

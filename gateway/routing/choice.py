@@ -1,7 +1,7 @@
 """Which upstream takes a request: where its prompt's prefix is cached, bounded by load.
 
-A pure function over plain data (the candidates, this process's outstanding counts and
-ejections, what the mirrors predict is cached where, the request's keys), tested by table.
+A pure function over plain data (the candidates, their outstanding counts and ejections, what
+the mirrors predict is cached where, the request's keys), tested by table.
 
 The order of preference:
 
@@ -10,23 +10,26 @@ The order of preference:
    ranked by rendezvous hashing of the session's key;
 2. **cached** -- else the upstream predicted to hold the longest prefix of the prompt (among
    equals the less loaded);
-3. **cold** -- else, for a prompt nobody is known to hold, the first of the candidates ranked
-   by rendezvous hashing of its first block: every web process ranks them alike without
-   talking to the others, so the requests that share a prefix gather on one upstream from the
-   first one on, whichever process takes each;
+3. **cold** -- else, for a prompt nobody is known to hold, by load (the fewest awaiting a
+   first byte, then the fewest outstanding within a slack), and among the equally loaded the
+   first of the candidates ranked by rendezvous hashing of its first block: every web process
+   ranks them alike without talking to the others, so where their loads look alike the
+   requests that share a prefix gather on one upstream from the first one on, whichever
+   process takes each;
 4. **least loaded** -- a request without a prompt block (embeddings, rerank, a prompt shorter
    than one block) goes where the fewest requests are outstanding.
 
-Load bounds all of it (consistent hashing with bounded loads): an upstream may take a request
-only while its outstanding requests are under ``ceil(factor × (total + 1) × its share of the
-weight)`` or under a slack, so a hot prefix or a busy session overflows to the next upstream in
-its order -- the same next one in every process -- rather than queueing behind itself; such a
-request's outcome is **spilled**. Some upstream is always under the bound, since not all can be
-over the mean. The slack says what moving costs: a cool prefix (less of the traffic than one
-upstream's share) stays where it is cached up to a large slack, since moving it costs a prefill
-elsewhere and cache the others need; a hot one (``Placement.hot``) is bounded by the mean alone,
-since no single upstream can serve it; a new one by the mean and a small slack, so new prefixes
-spread while every process still agrees where each goes.
+Load bounds affinity and the cache (consistent hashing with bounded loads): an upstream may
+take a request only while its outstanding requests are under ``ceil(factor × (total + 1) × its
+share of the weight)`` or under a slack, so a hot prefix or a busy session overflows to the
+next upstream in its order -- the same next one in every process -- rather than queueing
+behind itself; such a request's outcome is **spilled**. Some upstream is always under the
+bound, since not all can be over the mean. The slack says what moving costs: a cool prefix
+(less of the traffic than one upstream's share) stays where it is cached up to a large slack,
+since moving it costs a prefill elsewhere and cache the others need; a hot one
+(``Placement.hot``) is bounded by the mean alone, since no single upstream can serve it.
+The counts are the host's: this process's own and what its peers on the host last said
+(``gateway.routing.peers``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class Bounds:
     how far a new prefix's agreed place may be from the least loaded."""
 
     factor: float = 1.25
-    slack: int = 16  # what a cool prefix's upstream may hold before the mean bounds it
+    slack: int = 32  # what a cool prefix's upstream may hold before the mean bounds it
     cold_slack: int = 1  # how many more than the least loaded a new prefix's upstream may hold
     hot_slack: int = 1  # a prefix hotter than one upstream's share: bounded by the mean alone
 
@@ -136,8 +139,11 @@ def choose_cached(
     bounds: Bounds,
     exclude: Iterable[str] = (),
     offset: int = 0,
+    awaiting: Mapping[str, int] | None = None,
 ) -> Choice | None:
     """The upstream for one request (module docstring), or None when there is no candidate.
+    ``awaiting``: of the outstanding requests, those not answered a first byte yet (each
+    upstream's prefill queue; all alike where not given).
 
     Ejected upstreams are skipped while any other remains (then all are candidates: one that
     may have recovered beats a certain error); ``exclude`` holds the ones already tried.
@@ -163,14 +169,21 @@ def choose_cached(
         assert least is not None
         return Choice(least, LEAST_LOADED, 0)
     if outcome == COLD:
-        # Nothing is cached to lose, so load decides: the first in the rendezvous order among
-        # the upstreams within ``cold_slack`` of the least loaded. Processes that see alike
+        # Nothing is cached to lose, so load decides. A new prompt waits first behind the
+        # prefills queued where it goes (one at a time), so among the upstreams with the
+        # fewest requests awaiting a first byte, and of those within ``cold_slack`` of the
+        # fewest outstanding, the first in the rendezvous order. Processes that see alike
         # loads (an idle fleet, a burst's first requests) agree without talking; where their
         # loads differ, the placement itself reaches the host's other processes
         # (``gateway.routing.peers``), so the next request of the prefix finds it cached.
-        fewest = min(outstanding.get(u.id, 0) for u in pool)
+        queued = awaiting or {}
+        shortest = min(queued.get(u.id, 0) for u in pool)
+        level = [u for u in pool if queued.get(u.id, 0) == shortest]
+        fewest = min(outstanding.get(u.id, 0) for u in level)
         for rank, upstream in enumerate(order):
-            if outstanding.get(upstream.id, 0) <= fewest + bounds.cold_slack:
+            if queued.get(upstream.id, 0) == shortest and (
+                outstanding.get(upstream.id, 0) <= fewest + bounds.cold_slack
+            ):
                 return Choice(upstream, COLD if rank == 0 else SPILLED, 0)
     total = sum(outstanding.get(u.id, 0) for u in pool)
     weight = sum(u.weight for u in pool)

@@ -13,7 +13,8 @@ queue goes out as one datagram to every peer found in the folder, without waitin
 queue is full misses it and routes as it would have alone, so a slow peer never slows this one.
 Each process reads its socket as a reader of its loop and holds what it is told in its own
 mirrors, exactly as if it had routed the request itself. Every datagram also carries the
-sender's outstanding requests per upstream (sent when they change, and at least every
+sender's outstanding requests per upstream, and how many of them await a first byte (sent when
+they change, and at least every
 ``LOADS_EVERY_S`` while any are outstanding), so the load bounds and "least loaded" judge the
 host's load, not one process's share of it; a peer silent for ``LOADS_STALE_S`` counts for
 nothing. Nothing here is on a request's path but
@@ -35,24 +36,26 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LGP2"
 # The header: the sender's pid (u32), how many load records follow (u16). A load record: the
-# upstream id's length (u16), the id, its outstanding requests (u32). Then placement records:
+# upstream id's length (u16), the id, its outstanding requests and those of them awaiting a
+# first byte (u32 each). Then placement records:
 # the upstream id's length (u16), the id, the number of keys (u16), the keys (u64).
 _HEADER = struct.Struct("<IH")
 _ID_LEN = struct.Struct("<H")
 _COUNT = struct.Struct("<H")
-_LOAD = struct.Struct("<I")
+_LOAD = struct.Struct("<II")
 _KEY = 8
 # Under the smallest datagram a Linux host's default socket buffers carry whole (about 200 KiB),
 # so a batch is never refused for its size; a larger batch goes as several datagrams.
 MAX_DATAGRAM = 60 * 1024
 MAX_ID_BYTES = 512
+_U32 = 0xFFFFFFFF
 # A prompt's leading blocks are what a later request can share; past these a placement is sent
 # short (a peer holds the head of the prompt, which is what any match starts with).
 MAX_KEYS = 1024
@@ -73,12 +76,18 @@ def _name(upstream_id: str) -> bytes:
     return upstream_id.encode("utf-8", "surrogatepass")[:MAX_ID_BYTES]
 
 
-def encode(pid: int, loads: Loads, placements: Placements) -> Iterator[bytes]:
-    """Datagrams carrying this process's ``loads`` (in the first) and ``placements`` (upstream
-    id, block keys), each under MAX_DATAGRAM; one datagram when there are no placements."""
+def encode(
+    pid: int, loads: Loads, placements: Placements, awaiting: Loads | None = None
+) -> Iterator[bytes]:
+    """Datagrams carrying this process's ``loads`` and ``awaiting`` (in the first) and
+    ``placements`` (upstream id, block keys), each under MAX_DATAGRAM; one datagram when there
+    are no placements."""
+    waits = awaiting or {}
     load_records = [
-        _ID_LEN.pack(len(name)) + name + _LOAD.pack(min(count, 0xFFFFFFFF))
-        for name, count in ((_name(uid), count) for uid, count in loads.items())
+        _ID_LEN.pack(len(name))
+        + name
+        + _LOAD.pack(min(loads.get(uid, 0), _U32), min(waits.get(uid, 0), _U32))
+        for uid, name in ((uid, _name(uid)) for uid in {**loads, **waits})
     ]
     head = MAGIC + _HEADER.pack(pid, len(load_records))
     parts: list[bytes] = [head, *load_records]
@@ -116,18 +125,19 @@ def _upstream_id(view: memoryview, at: int, after: int) -> tuple[str, int]:
     return bytes(view[at : at + id_len]).decode("utf-8"), at + id_len
 
 
-def decode(data: bytes) -> tuple[int, Loads, Placements]:
-    """The sender's pid, loads and placements in one datagram; ValueError when any part of it
-    does not parse."""
+def decode(data: bytes) -> tuple[int, Loads, Placements, Loads]:
+    """The sender's pid, loads, placements and awaiting counts in one datagram; ValueError when
+    any part of it does not parse."""
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _HEADER.size:
         raise ValueError("not a placements datagram")
     view = memoryview(data)
     pid, load_count = _HEADER.unpack_from(view, len(MAGIC))
     at = len(MAGIC) + _HEADER.size
     loads: Loads = {}
+    awaiting: Loads = {}
     for _ in range(load_count):
         upstream_id, at = _upstream_id(view, at, _LOAD.size)
-        (loads[upstream_id],) = _LOAD.unpack_from(view, at)
+        loads[upstream_id], awaiting[upstream_id] = _LOAD.unpack_from(view, at)
         at += _LOAD.size
     out: Placements = []
     while at < len(view):
@@ -139,18 +149,30 @@ def decode(data: bytes) -> tuple[int, Loads, Placements]:
         keys = struct.unpack_from(f"<{count}Q", view, at)
         at += count * _KEY
         out.append((upstream_id, keys))
-    return pid, loads, out
+    return pid, loads, out, awaiting
 
 
 class Peers:
     """This process's end of the host's placement exchange (module docstring)."""
 
-    def __init__(self, folder: Path, hold: Hold, own_loads: Loads, *, pid: int = 0) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        hold: Hold,
+        own_loads: Loads,
+        own_awaiting: Loads | None = None,
+        *,
+        pid: int = 0,
+    ) -> None:
         self.folder = folder
         self.hold = hold
-        self.own_loads = own_loads  # this process's outstanding requests (kept by the caller)
+        # This process's outstanding requests, and those awaiting a first byte (the caller's).
+        self.own_loads = own_loads
+        self.own_awaiting: Loads = {} if own_awaiting is None else own_awaiting
         self.loads: Loads = {}  # the peers' outstanding requests, summed
-        self._peer_loads: dict[int, tuple[float, Loads]] = {}  # pid → when heard, its loads
+        self.awaiting: Loads = {}  # and those of them awaiting a first byte
+        # pid → when it was heard, its loads and awaiting counts
+        self._peer_loads: dict[int, tuple[float, Loads, Loads]] = {}
         self._loads_sent_at = -LOADS_EVERY_S
         self._flush_due = False
         self.pid = pid or os.getpid()  # its socket's name (another only in tests)
@@ -234,7 +256,7 @@ class Peers:
         if not self._peers:
             return
         self._loads_sent_at = now
-        self._send(encode(self.pid, self.own_loads, pending))
+        self._send(encode(self.pid, self.own_loads, pending, self.own_awaiting))
 
     def _send(self, datagrams: Iterator[bytes]) -> None:
         sock = self._sock
@@ -281,16 +303,16 @@ class Peers:
             except OSError:
                 return
             try:
-                pid, loads, placements = decode(data)
+                pid, loads, placements, awaiting = decode(data)
             except (ValueError, UnicodeDecodeError, struct.error):
                 self.dropped += 1
                 continue
             self.received += 1
-            self._heard(pid, loads)
+            self._heard(pid, loads, awaiting)
             for upstream_id, keys in placements:
                 self.hold(upstream_id, keys)
 
-    def _heard(self, pid: int, loads: Loads) -> None:
+    def _heard(self, pid: int, loads: Loads, awaiting: Loads) -> None:
         now = time.monotonic()
         if pid == self.pid:
             return
@@ -301,22 +323,19 @@ class Peers:
             self._forget_silent(now)
             if len(self._peer_loads) >= MAX_PEERS:
                 return
-        self._peer_loads[pid] = (now, loads)
+        self._peer_loads[pid] = (now, loads, awaiting)
         self._sum_loads()
 
     def _forget_silent(self, now: float) -> None:
-        silent = [p for p, (at, _) in self._peer_loads.items() if now - at > LOADS_STALE_S]
+        silent = [p for p, (at, *_) in self._peer_loads.items() if now - at > LOADS_STALE_S]
         for pid in silent:
             del self._peer_loads[pid]
         if silent:
             self._sum_loads()
 
     def _sum_loads(self) -> None:
-        total: Loads = {}
-        for _, loads in self._peer_loads.values():
-            for upstream_id, count in loads.items():
-                total[upstream_id] = total.get(upstream_id, 0) + count
-        self.loads = total
+        self.loads = _summed(loads for _, loads, _ in self._peer_loads.values())
+        self.awaiting = _summed(awaiting for _, _, awaiting in self._peer_loads.values())
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
@@ -330,6 +349,14 @@ class Peers:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
+
+
+def _summed(each: Iterable[Loads]) -> Loads:
+    total: Loads = {}
+    for loads in each:
+        for upstream_id, count in loads.items():
+            total[upstream_id] = total.get(upstream_id, 0) + count
+    return total
 
 
 def _alive(pid: int) -> bool:

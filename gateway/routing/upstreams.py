@@ -136,6 +136,9 @@ class Upstreams:
         self.table = Table()
         self.loaded = False
         self.outstanding: dict[str, int] = {}
+        # Of those, the ones not answered a first byte yet: an engine's prefill queue, which a
+        # new prompt waits behind (one prefill at a time) whatever it decodes meanwhile.
+        self.awaiting: dict[str, int] = {}
         self.ejected_until: dict[str, float] = {}
         self.waiting: dict[int, int] = {}
         self._rotation = itertools.count()
@@ -206,7 +209,9 @@ class Upstreams:
             return
         if settings.LLMGW_ROUTING_POLICY != "cache_aware":
             return
-        peers = Peers(settings.VAR_DIR / "routing-peers", self._held_by_peer, self.outstanding)
+        peers = Peers(
+            settings.VAR_DIR / "routing-peers", self._held_by_peer, self.outstanding, self.awaiting
+        )
         if peers.start(loop):
             self.peers = peers
             atexit.register(peers.close)
@@ -341,11 +346,13 @@ class Upstreams:
         key = affinity if affinity is not None else blocks.lead
         # Hotter than one upstream's fair share: no one upstream can serve it, spread it.
         hot = key is not None and self.shares.count(key) * len(route.upstreams) > 1.0
+        outstanding, awaiting = self._host_loads(route)
         choice = choose_cached(
             route.upstreams,
-            self._host_outstanding(route),
+            outstanding,
             self.ejected_until,
             now,
+            awaiting=awaiting,
             placement=Placement(
                 blocks.lead, affinity, self.mirrors.matches(_ids(route), blocks.keys), hot
             ),
@@ -363,14 +370,20 @@ class Upstreams:
                 self.peers.tell(choice.upstream.id, blocks.keys)
         return choice
 
-    def _host_outstanding(self, route: Route) -> dict[str, int]:
-        """The requests outstanding at each of ``route``'s upstreams from every web process of
-        this host (this one's own, where no peer has said anything)."""
+    def _host_loads(self, route: Route) -> tuple[dict[str, int], dict[str, int]]:
+        """The requests outstanding at each of ``route``'s upstreams, and those of them still
+        awaiting a first byte, from every web process of this host (this one's own, where no
+        peer has said anything)."""
         peers = self.peers
         if peers is None or not peers.loads:
-            return self.outstanding
+            return self.outstanding, self.awaiting
+        ids = [u.id for u in route.upstreams]
         own, theirs = self.outstanding, peers.loads
-        return {u.id: own.get(u.id, 0) + theirs.get(u.id, 0) for u in route.upstreams}
+        own_awaiting, their_awaiting = self.awaiting, peers.awaiting
+        return (
+            {i: own.get(i, 0) + theirs.get(i, 0) for i in ids},
+            {i: own_awaiting.get(i, 0) + their_awaiting.get(i, 0) for i in ids},
+        )
 
     def learn(
         self,
@@ -392,6 +405,7 @@ class Upstreams:
 
     def acquire(self, upstream: Upstream) -> None:
         count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
+        self.awaiting[upstream.id] = self.awaiting.get(upstream.id, 0) + 1
         if self.peers is not None:
             self.peers.loads_changed()
         if count == 1 and upstream.id.startswith("replica:"):
@@ -403,12 +417,17 @@ class Upstreams:
                 # already (its finish time is written by then), and the next cycle reports it.
                 self._report_shortly()
 
-    def release(self, upstream: Upstream) -> None:
-        left = self.outstanding.get(upstream.id, 1) - 1
-        if left <= 0:
-            self.outstanding.pop(upstream.id, None)
-        else:
-            self.outstanding[upstream.id] = left
+    def answered(self, upstream: Upstream) -> None:
+        """A request held at ``upstream`` had its first byte: its prefill is done."""
+        _decrement(self.awaiting, upstream.id)
+        if self.peers is not None:
+            self.peers.loads_changed()
+
+    def release(self, upstream: Upstream, *, answered: bool = True) -> None:
+        """A request held at ``upstream`` ended (``answered``: after its first byte)."""
+        _decrement(self.outstanding, upstream.id)
+        if not answered:
+            _decrement(self.awaiting, upstream.id)
         if self.peers is not None:
             self.peers.loads_changed()
         if upstream.id.startswith("replica:"):
@@ -527,6 +546,14 @@ class Upstreams:
             return False
         self._stamped[key] = now
         return True
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    left = counts.get(key, 1) - 1
+    if left <= 0:
+        counts.pop(key, None)
+    else:
+        counts[key] = left
 
 
 @functools.lru_cache(maxsize=8)

@@ -220,6 +220,7 @@ def pick(
     exclude: tuple[str, ...] = (),
     hot: bool = False,
     bounds: Bounds = BOUNDS,
+    awaiting: dict[str, int] | None = None,
 ) -> tuple[str, str, int]:
     choice = choose_cached(
         FOUR,
@@ -229,6 +230,7 @@ def pick(
         placement=Placement(lead, affinity, matches or {}, hot),
         bounds=bounds,
         exclude=exclude,
+        awaiting=awaiting,
     )
     assert choice is not None
     return choice.upstream.id, choice.outcome, choice.predicted
@@ -270,6 +272,33 @@ def test_a_cold_prefix_spills_in_its_own_rendezvous_order() -> None:
     order = [u.id for u in rendezvous(lead, FOUR)]
     outstanding = {order[0]: 5, order[1]: 0, order[2]: 0, order[3]: 0}
     assert pick(outstanding, lead=lead) == (order[1], SPILLED, 0)
+
+
+def test_a_cold_prefix_takes_its_order_among_those_within_the_cold_slack_of_the_least_loaded() -> (
+    None
+):
+    lead = 12345
+    order = [u.id for u in rendezvous(lead, FOUR)]
+    # Slack 2: its first may have two more than the least loaded...
+    assert pick({order[0]: 3, order[1]: 1, order[2]: 1, order[3]: 1}, lead=lead)[:2] == (
+        order[0],
+        COLD,
+    )
+    # ...not three; then the next in its order that may.
+    outstanding = {order[0]: 4, order[1]: 5, order[2]: 2, order[3]: 1}
+    assert pick(outstanding, lead=lead) == (order[2], SPILLED, 0)
+
+
+def test_a_cold_prefix_goes_where_the_fewest_await_their_prefill() -> None:
+    """A new prompt waits behind the prefills queued where it goes, not behind what decodes:
+    fewest awaiting a first byte first, outstanding within the slack among those."""
+    lead = 12345
+    order = [u.id for u in rendezvous(lead, FOUR)]
+    outstanding = {order[0]: 1, order[1]: 1, order[2]: 9, order[3]: 12}
+    awaiting = {order[0]: 1, order[1]: 2, order[2]: 0, order[3]: 0}
+    assert pick(outstanding, lead=lead, awaiting=awaiting) == (order[2], SPILLED, 0)
+    # Equal queues: its own order, within the slack of the least outstanding.
+    assert pick(outstanding, lead=lead, awaiting={})[:2] == (order[0], COLD)
 
 
 def test_a_session_sticks_to_one_replica_whatever_is_cached_elsewhere() -> None:

@@ -229,7 +229,7 @@ def test_the_next_turn_through_the_hosts_other_process_is_routed_where_its_histo
     """The second turn of a conversation taken by the process of the host that did not see the
     first: it was told where the first went, so it routes the turn as cached, to the replica
     that holds the history (which the engine's hits confirm), not afresh."""
-    history = [
+    history: list[Any] = [
         {"role": "system", "content": "You answer briefly."},
         {"role": "user", "content": text(5, 1200)},
     ]

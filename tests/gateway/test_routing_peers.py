@@ -30,15 +30,19 @@ KEY = st.integers(min_value=0, max_value=(1 << 64) - 1)
 def test_what_is_encoded_decodes_to_the_same(
     loads: dict[str, int], placements: list[tuple[str, tuple[int, ...]]]
 ) -> None:
+    awaiting = {upstream: count // 2 for upstream, count in loads.items()}
     got_loads: dict[str, int] = {}
+    got_awaiting: dict[str, int] = {}
     got: list[tuple[str, tuple[int, ...]]] = []
-    for data in encode(1234, loads, placements):
+    for data in encode(1234, loads, placements, awaiting):
         assert len(data) <= peers.MAX_DATAGRAM
-        pid, part_loads, part = decode(data)
+        pid, part_loads, part, part_awaiting = decode(data)
         assert pid == 1234
         got_loads.update(part_loads)
+        got_awaiting.update(part_awaiting)
         got += part
     assert got_loads == loads
+    assert got_awaiting == awaiting
     assert got == placements
 
 
@@ -84,17 +88,20 @@ async def test_two_ends_tell_each_other_placements_and_loads(tmp_path: Path) -> 
     loads_a: dict[str, int] = {}
     # A deep folder: a Unix socket's own path could not be this long.
     folder = tmp_path / ("x" * 60) / ("y" * 60) / "routing-peers"
-    a = Peers(folder, lambda u, k: held[1].append((u, k)), loads_a, pid=os.getpid())
+    awaiting_a: dict[str, int] = {}
+    a = Peers(folder, lambda u, k: held[1].append((u, k)), loads_a, awaiting_a, pid=os.getpid())
     b = Peers(folder, lambda u, k: held[2].append((u, k)), {}, pid=_pid_that_is_alive())
     try:
         assert a.start(loop)
         assert b.start(loop)  # says hello: a knows of b before a looks at the folder again
         await _turns(loop, lambda: a._peers == [f"{b.pid}.sock"])
         loads_a["replica:1"] = 2
+        awaiting_a["replica:1"] = 1
         a.tell("replica:1", (11, 22, 33))
         await _turns(loop, lambda: bool(held[2]))
         assert held[2] == [("replica:1", (11, 22, 33))]
         assert b.loads == {"replica:1": 2}
+        assert b.awaiting == {"replica:1": 1}
         assert held[1] == []  # nobody tells itself
 
         # A malformed datagram is dropped and counted; the exchange goes on.
@@ -105,7 +112,7 @@ async def test_two_ends_tell_each_other_placements_and_loads(tmp_path: Path) -> 
         b.close()
         a.tell("replica:2", (44,))
         await _turns(loop, lambda: not a._peers)
-        a._peer_loads = {b.pid: (0.0, {"replica:1": 5})}
+        a._peer_loads = {b.pid: (0.0, {"replica:1": 5}, {})}
         a._sum_loads()
         a.heartbeat()
         assert a.loads == {}
