@@ -5,8 +5,9 @@ a consistent snapshot with no query. It reloads every ``LLMGW_ROUTING_REFRESH`` 
 once when this process saves a routing row (Django signals), and four times as often while a
 request waits for a cold model. Other processes see a change within one refresh interval.
 
-Outstanding-request counts and ejections are per process: each web process balances the
-requests it holds, which is what least-outstanding needs, without shared state. What the
+Outstanding-request counts and ejections are per process: each web process counts the
+requests it holds, and the web processes of one host tell each other theirs off the request
+path (``gateway.routing.peers``), so routing by the cache judges the host's load. What the
 control plane needs of them is reported off the request path by the same background task:
 requests in flight per replica (as a heartbeat, whenever the set of busy replicas changed since
 the last report, and at once when a replica idle for a while goes busy) and when each replica
@@ -39,22 +40,18 @@ from redis.exceptions import RedisError
 
 from control import serving
 from gateway import dbthread
-from gateway.addresses import AddressPolicy, upstream_url_problem
 from gateway.errors import ApiError
 from gateway.models import Endpoint
 from gateway.routing import prefix
 from gateway.routing.choice import LEAST_LOADED, Bounds, Choice, Placement, choose_cached
+from gateway.routing.loading import load_table
 from gateway.routing.mirrors import Learned, Mirrors
 from gateway.routing.peers import Peers
 from gateway.routing.shares import Shares
 from gateway.routing.table import (
-    CatalogRow,
-    EndpointRow,
-    ReplicaRow,
     Route,
     Table,
     Upstream,
-    build_table,
     choose,
 )
 
@@ -62,71 +59,6 @@ logger = logging.getLogger(__name__)
 
 # A replica going busy after an idle spell is reported this long after (see _report_shortly).
 BUSY_REPORT_DELAY_S = 0.05
-
-
-def load_table(version: int = 0) -> Table:
-    """Read what routes traffic and build a table (runs in the background lane of
-    gateway.dbthread): the catalog and the ready replicas from the control plane, the static
-    endpoints from here."""
-    snapshot = serving.routing_snapshot()
-    catalog = [
-        CatalogRow(
-            id=entry.id,
-            name=entry.name,
-            aliases=entry.aliases,
-            enabled=entry.enabled,
-            activation_timeout_s=entry.activation_timeout_s,
-            max_waiting=entry.max_waiting,
-            connect_timeout_s=entry.connect_timeout_s,
-            first_byte_timeout_s=entry.first_byte_timeout_s,
-            stream_idle_timeout_s=entry.stream_idle_timeout_s,
-            default_profile=entry.default_profile,
-            context_length=entry.context_length,
-        )
-        for entry in snapshot.models
-    ]
-    profiles = {entry.id: set(entry.profiles) for entry in snapshot.models if entry.profiles}
-    replicas = [
-        ReplicaRow(
-            r.id,
-            r.model_id,
-            r.profile,
-            r.host,
-            r.port,
-            key=r.engine_key,
-            generation=r.generation,
-            cache_tokens=r.cache_tokens,
-            local_node=r.local_node,
-        )
-        for r in snapshot.replicas
-    ]
-
-    # Static endpoints come from the operator's own configuration: any address they name.
-    endpoints = [
-        EndpointRow(f"static:{e.id}", e.url, e.models) for e in settings.LLMGW_STATIC_ENDPOINTS
-    ]
-    for slug, url, names, weight, allow_private in (
-        Endpoint.objects.filter(enabled=True)
-        .order_by()  # one table per statement (see control.serving.routing_snapshot)
-        .values_list("slug", "url", "model_names", "weight", "allow_private_address")
-    ):
-        problem = upstream_url_problem(url)
-        if problem and not allow_private:
-            # Refused at save time too; this catches rows written around the model's checks.
-            logger.warning("endpoint %s: URL %s; not routed", slug, problem)
-            continue
-        endpoints.append(
-            EndpointRow(
-                f"endpoint:{slug}",
-                url,
-                tuple(str(n) for n in names),
-                weight,
-                # Checked again against the address each connection actually reaches, so a
-                # name that resolves to a metadata or loopback address is refused too.
-                addresses=AddressPolicy.ANY if allow_private else AddressPolicy.PUBLIC,
-            )
-        )
-    return build_table(catalog, replicas, endpoints, profiles=profiles, version=version)
 
 
 class Upstreams:
@@ -205,9 +137,7 @@ class Upstreams:
     def _share_placements(self, loop: asyncio.AbstractEventLoop) -> None:
         """Exchange placements with this host's other web processes (``gateway.routing.peers``)
         when routing by the cache."""
-        if self.peers is not None or not settings.LLMGW_ROUTING_SHARE:
-            return
-        if settings.LLMGW_ROUTING_POLICY != "cache_aware":
+        if self.peers or not settings.LLMGW_ROUTING_SHARE or not self._cache_aware():
             return
         peers = Peers(
             settings.VAR_DIR / "routing-peers", self._held_by_peer, self.outstanding, self.awaiting
@@ -217,10 +147,13 @@ class Upstreams:
             atexit.register(peers.close)
 
     def _held_by_peer(self, upstream_id: str, keys: tuple[int, ...]) -> None:
-        """A peer routed a prompt with these blocks to ``upstream_id``: as if this process had.
-        Only an upstream this process routes to (its mirrors stay bounded by the table)."""
+        """A peer routed a prompt to ``upstream_id``; held if this process routes there too."""
         if upstream_id in self._routed_ids:
             self.mirrors.hold(upstream_id, keys)
+
+    @staticmethod
+    def _cache_aware() -> bool:
+        return settings.LLMGW_ROUTING_POLICY == "cache_aware"
 
     def remember(self, table: Table) -> None:
         """Keep what was learned of the caches of the upstreams ``table`` routes to, each
@@ -333,7 +266,7 @@ class Upstreams:
         """The upstream for one attempt (``gateway.routing.choice``), its prompt's blocks then
         expected there; by outstanding requests alone under the ``least_outstanding`` policy."""
         now = time.monotonic()
-        if settings.LLMGW_ROUTING_POLICY != "cache_aware" or len(route.upstreams) < 2:
+        if not self._cache_aware() or len(route.upstreams) < 2:
             upstream = choose(
                 route.upstreams,
                 self.outstanding,
@@ -377,12 +310,9 @@ class Upstreams:
         peers = self.peers
         if peers is None or not peers.loads:
             return self.outstanding, self.awaiting
-        ids = [u.id for u in route.upstreams]
-        own, theirs = self.outstanding, peers.loads
-        own_awaiting, their_awaiting = self.awaiting, peers.awaiting
-        return (
-            {i: own.get(i, 0) + theirs.get(i, 0) for i in ids},
-            {i: own_awaiting.get(i, 0) + their_awaiting.get(i, 0) for i in ids},
+        ids = _ids(route)
+        return _added(self.outstanding, peers.loads, ids), _added(
+            self.awaiting, peers.awaiting, ids
         )
 
     def learn(
@@ -546,6 +476,10 @@ class Upstreams:
             return False
         self._stamped[key] = now
         return True
+
+
+def _added(own: dict[str, int], theirs: dict[str, int], ids: list[str]) -> dict[str, int]:
+    return {i: own.get(i, 0) + theirs.get(i, 0) for i in ids}
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:

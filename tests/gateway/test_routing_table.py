@@ -8,7 +8,7 @@ from django.core.exceptions import ValidationError
 from control import serving
 from control.models import Node, Replica, Shard
 from gateway.models import Endpoint
-from gateway.routing.upstreams import load_table
+from gateway.routing.loading import load_table
 from tests.harness.factories import serve_model
 
 pytestmark = pytest.mark.django_db(transaction=True)
