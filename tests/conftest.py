@@ -4,7 +4,6 @@ PostgreSQL (``--store-tests-only``: the others would only repeat themselves)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ from pytest_django.fixtures import _set_suffix_to_test_databases
 
 from tests.harness.clock import FakeClock
 from tests.harness.redis import RedisServer
-from tests.harness.store import unreachable_store
+from tests.harness.store import own_tcp_ports, unreachable_store
 
 STORE_FIXTURES = {"django_db_setup"}  # every way to the test database goes through it
 STORELESS = pytest.StashKey[int]()  # how many tests --store-tests-only left out
@@ -163,7 +162,7 @@ def _let_other_sessions_leave(timeout: float = 10.0) -> None:
                 break
             time.sleep(0.2)
         if stayed:
-            own = _own_tcp_ports()
+            own = own_tcp_ports()
             for port, application, state, query in stayed:
                 whose = "this test process" if port in own else "another process"
                 print(
@@ -173,24 +172,6 @@ def _let_other_sessions_leave(timeout: float = 10.0) -> None:
                 )
             cursor.execute(f"SELECT pg_terminate_backend(pid) {others}")
     connection.close()
-
-
-def _own_tcp_ports() -> set[int]:
-    """The local ports of this process's TCP sockets (from /proc: Linux only)."""
-    inodes = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as lines:
-            for line in list(lines)[1:]:
-                fields = line.split()
-                if fields[9] in inodes:
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 @pytest.fixture(scope="session")

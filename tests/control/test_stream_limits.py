@@ -8,6 +8,7 @@ costs anything else or takes over the node's open stream."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -38,6 +39,7 @@ from tests.harness.factories import issue_node
 from tests.harness.live import start_web, stop_checked
 from tests.harness.procs import Proc, free_port
 from tests.harness.redis import RedisServer
+from tests.harness.store import settle_own_transactions
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -190,6 +192,8 @@ async def listener(tmp_path: Path) -> AsyncIterator[int]:
         yield port
     finally:
         await server.stop(None)
+        # The last streams' ends, written before the flush truncates every table.
+        await asyncio.to_thread(settle_own_transactions)
 
 
 async def by_grpc(port: int, name: str, token: str) -> int | str:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -130,3 +133,42 @@ def execute_now(sql: str, params: tuple[Any, ...] = ()) -> Any:
     with _connect(autocommit=True) as conn:
         cursor = conn.execute(sql, params)
         return cursor.fetchone() if cursor.description else None
+
+
+def settle_own_transactions(timeout: float = 10.0) -> None:
+    """Until no other session of this test process (a thread it left working: a stream's end
+    still being written, a servicer being stopped) is inside a transaction on the test
+    database. The flush after a transactional test truncates every table, and one that met such
+    a transaction deadlocked with it (seen: a gRPC listener stopped as its test ended, its last
+    stream's close still writing). Sessions of other processes are their test's business."""
+    if connection.vendor != "postgresql":
+        return
+    busy = (
+        "SELECT client_port FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND state <> 'idle'"
+    )
+    deadline = time.monotonic() + timeout
+    with _connect(autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            ports = {row[0] for row in conn.execute(busy).fetchall()}
+            if not ports & own_tcp_ports():
+                return
+            time.sleep(0.05)
+
+
+def own_tcp_ports() -> set[int]:
+    """The local ports of this process's TCP sockets (from /proc: Linux only)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
