@@ -96,7 +96,6 @@ class Exchange:
     route: Route | None = None
     reservation: limits.Reservation = limits.NO_RESERVATION
     holding: Upstream | None = None  # counted as outstanding until released
-    awaiting_first_byte: bool = False  # and as waiting for its prefill until the first byte
     started: bool = False
     finished: bool = False
     being_counted: bool = False  # its tokens are being counted: the count task finishes it
@@ -154,7 +153,6 @@ class Exchange:
         self.drop_hold()
         upstreams.acquire(upstream)
         self.holding = upstream
-        self.awaiting_first_byte = True
         self.served_by = upstream
         self.usage.upstream = upstream.id
         if not self.started:
@@ -164,15 +162,16 @@ class Exchange:
 
     def drop_hold(self) -> None:
         if self.holding is not None:
-            upstreams.release(self.holding, answered=not self.awaiting_first_byte)
+            upstreams.release(self.holding, answered=self.usage.ttft_ms is not None)
             self.holding = None
 
     def first_byte(self) -> None:
-        if self.holding is not None and self.awaiting_first_byte:
-            self.awaiting_first_byte = False
-            upstreams.answered(self.holding)
+        # Only an attempt without a first byte is retried, so the first byte is the held
+        # upstream's: its prefill is done (awaiting counts it until then).
         if self.usage.ttft_ms is None:
             self.usage.ttft_ms = (time.perf_counter() - self.clock_start) * 1000
+            if self.holding is not None:
+                upstreams.answered(self.holding)
 
     def finish(
         self,
