@@ -38,6 +38,7 @@ from gateway.relay.routes import RelayRoute
 from gateway.relay.upstream_client import Pool
 from gateway.routing import prefix
 from gateway.routing.choice import Choice, affinity_of
+from gateway.routing.loads import Hold
 from gateway.routing.table import Route, Upstream
 from gateway.routing.upstreams import upstreams
 from telemetry import metrics, tracing
@@ -95,7 +96,7 @@ class Exchange:
     body: payload.Inspected | None = None
     route: Route | None = None
     reservation: limits.Reservation = limits.NO_RESERVATION
-    holding: Upstream | None = None  # counted as outstanding until released
+    holding: Hold | None = None  # counted as outstanding at its upstream until released
     started: bool = False
     finished: bool = False
     being_counted: bool = False  # its tokens are being counted: the count task finishes it
@@ -151,8 +152,12 @@ class Exchange:
 
     def hold(self, upstream: Upstream) -> None:
         self.drop_hold()
-        upstreams.acquire(upstream)
-        self.holding = upstream
+        # What its engine will prefill: the prompt less what the choice expected cached there
+        # (an estimate in written-out bytes; 0 for a request without a prompt).
+        blocks = self.blocks
+        prefill = max(0, blocks.size - self.predicted * blocks.block_bytes)
+        key = self.affinity if self.affinity is not None else blocks.lead
+        self.holding = upstreams.acquire(upstream, prefill, key)
         self.served_by = upstream
         self.usage.upstream = upstream.id
         if not self.started:
@@ -162,7 +167,7 @@ class Exchange:
 
     def drop_hold(self) -> None:
         if self.holding is not None:
-            upstreams.release(self.holding, answered=self.usage.ttft_ms is not None)
+            upstreams.release(self.holding)
             self.holding = None
 
     def first_byte(self) -> None:

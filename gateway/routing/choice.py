@@ -1,7 +1,7 @@
 """Which upstream takes a request: where its prompt's prefix is cached, bounded by load.
 
-A pure function over plain data (the candidates, their outstanding counts and ejections, what
-the mirrors predict is cached where, the request's keys), tested by table.
+A pure function over plain data (the candidates, their outstanding counts, prefill waits and
+ejections, what the mirrors predict is cached where, the request's keys), tested by table.
 
 The order of preference:
 
@@ -10,12 +10,14 @@ The order of preference:
    ranked by rendezvous hashing of the session's key;
 2. **cached** -- else the upstream predicted to hold the longest prefix of the prompt (among
    equals the less loaded);
-3. **cold** -- else, for a prompt nobody is known to hold, by load (the fewest awaiting a
-   first byte, then the fewest outstanding within a slack), and among the equally loaded the
-   first of the candidates ranked by rendezvous hashing of its first block: every web process
-   ranks them alike without talking to the others, so where their loads look alike the
-   requests that share a prefix gather on one upstream from the first one on, whichever
-   process takes each;
+3. **cold** -- else, for a prompt nobody is known to hold, where it would start soonest: the
+   upstreams with the least prefill queued ahead of it (``gateway.routing.loads``: a new
+   prompt's prefill waits behind the others', one at a time), of those the ones within a slack
+   of the fewest outstanding, and of those the first of the candidates ranked by rendezvous
+   hashing of its first block: every web process ranks them alike without talking to the
+   others, so where their loads look alike (an idle fleet, processes on different hosts
+   sending one conversation's turns one after the other) the requests that share a prefix
+   gather on one upstream from the first one on, whichever process takes each;
 4. **least loaded** -- a request without a prompt block (embeddings, rerank, a prompt shorter
    than one block) goes where the fewest requests are outstanding.
 
@@ -25,11 +27,11 @@ share of the weight)`` or under a slack, so a hot prefix or a busy session overf
 next upstream in its order -- the same next one in every process -- rather than queueing
 behind itself; such a request's outcome is **spilled**. Some upstream is always under the
 bound, since not all can be over the mean. The slack says what moving costs: a cool prefix
-(less of the traffic than one upstream's share) stays where it is cached up to a large slack,
-since moving it costs a prefill elsewhere and cache the others need; a hot one
+(less of what is in flight than one upstream's share) stays where it is cached up to a large
+slack, since moving it costs a prefill elsewhere and cache the others need; a hot one
 (``Placement.hot``) is bounded by the mean alone, since no single upstream can serve it.
-The counts are the host's: this process's own and what its peers on the host last said
-(``gateway.routing.peers``).
+The counts are the host's: this process's own and its host's other web processes'
+(``gateway.routing.board``).
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ class Placement:
     lead: int | None = None  # its prompt's first block key (None: no full block)
     affinity: int | None = None  # the key of the session it names, if any
     matches: Mapping[str, int] = field(default_factory=dict)  # upstream id → blocks predicted
-    # Its prefix (or session) is more of the recent traffic than one upstream's fair share
-    # (``gateway.routing.shares``): it is spread at the mean, not kept where it is cached.
+    # Its prefix (or session) is more of what is in flight than one upstream's fair share
+    # (``gateway.routing.loads``): it is spread at the mean, not kept where it is cached.
     hot: bool = False
 
 
@@ -80,6 +82,8 @@ class Choice:
     upstream: Upstream
     outcome: str
     predicted: int  # blocks of the prompt the mirror expects the upstream to hold
+    # It placed a prefix nobody was known to hold: where this host now expects it (its home).
+    placed: bool = False
 
 
 def session_key(value: str) -> int:
@@ -139,11 +143,11 @@ def choose_cached(
     bounds: Bounds,
     exclude: Iterable[str] = (),
     offset: int = 0,
-    awaiting: Mapping[str, int] | None = None,
+    waits: Mapping[str, float] | None = None,
 ) -> Choice | None:
     """The upstream for one request (module docstring), or None when there is no candidate.
-    ``awaiting``: of the outstanding requests, those not answered a first byte yet (each
-    upstream's prefill queue; all alike where not given).
+    ``waits``: how long a new prompt would wait at each upstream for the prefill queued ahead
+    of it (all alike where not given).
 
     Ejected upstreams are skipped while any other remains (then all are candidates: one that
     may have recovered beats a certain error); ``exclude`` holds the ones already tried.
@@ -170,21 +174,22 @@ def choose_cached(
         return Choice(least, LEAST_LOADED, 0)
     if outcome == COLD:
         # Nothing is cached to lose, so load decides. A new prompt waits first behind the
-        # prefills queued where it goes (one at a time), so among the upstreams with the
-        # fewest requests awaiting a first byte, and of those within ``cold_slack`` of the
-        # fewest outstanding, the first in the rendezvous order. Processes that see alike
-        # loads (an idle fleet, a burst's first requests) agree without talking; where their
-        # loads differ, the placement itself reaches the host's other processes
-        # (``gateway.routing.peers``), so the next request of the prefix finds it cached.
-        queued = awaiting or {}
-        shortest = min(queued.get(u.id, 0) for u in pool)
-        level = [u for u in pool if queued.get(u.id, 0) == shortest]
+        # prefill queued where it goes (one at a time), so among the upstreams where it would
+        # wait least, and of those within ``cold_slack`` of the fewest outstanding (what it
+        # would decode beside), the first in the rendezvous order. Processes that see alike
+        # loads (an idle fleet) agree without talking; the host's processes share one view of
+        # the loads, and where one places the prefix the others follow (its home on the
+        # board, then the placement itself in their mirrors), so the next request of the
+        # prefix finds it cached.
+        queued = waits or {}
+        shortest = min(queued.get(u.id, 0.0) for u in pool)
+        level = [u for u in pool if queued.get(u.id, 0.0) <= shortest]
         fewest = min(outstanding.get(u.id, 0) for u in level)
         for rank, upstream in enumerate(order):
-            if queued.get(upstream.id, 0) == shortest and (
+            if queued.get(upstream.id, 0.0) <= shortest and (
                 outstanding.get(upstream.id, 0) <= fewest + bounds.cold_slack
             ):
-                return Choice(upstream, COLD if rank == 0 else SPILLED, 0)
+                return Choice(upstream, COLD if rank == 0 else SPILLED, 0, placed=True)
     total = sum(outstanding.get(u.id, 0) for u in pool)
     weight = sum(u.weight for u in pool)
     slack = bounds.hot_slack if placement.hot else bounds.slack

@@ -4,20 +4,18 @@ Each web process's mirrors (``gateway.routing.mirrors``) would otherwise see onl
 that process took. Two processes behind one listening socket take the turns of one
 conversation in any order: the process that takes the second turn knew nothing of the first,
 found the history cached nowhere, and could place it afresh, away from the upstream that holds
-it. So every placement is told to the host's other web processes too.
+it. So every placement is told to the host's other web processes too. (Their loads, and where a
+new prefix was first placed, they share on the host's board, ``gateway.routing.board``, which
+is read the moment it changes; a placement's every block key is too much for it, and a
+conversation's next turn comes seconds later anyway.)
 
 Each web process binds a Unix datagram socket, named by its pid, in a folder the processes of
 one var folder share (``LLMGW_VAR_DIR/routing-peers``, owner-only as the var folder is). After a
-choice, the upstream and the prompt's block keys are queued; every 20 ms at most the
-queue goes out as one datagram to every peer found in the folder, without waiting: a peer whose
-queue is full misses it and routes as it would have alone, so a slow peer never slows this one.
-Each process reads its socket as a reader of its loop and holds what it is told in its own
-mirrors, exactly as if it had routed the request itself. Every datagram also carries the
-sender's outstanding requests per upstream, and how many of them await a first byte (sent when
-they change, and at least every
-``LOADS_EVERY_S`` while any are outstanding), so the load bounds and "least loaded" judge the
-host's load, not one process's share of it; a peer silent for ``LOADS_STALE_S`` counts for
-nothing. Nothing here is on a request's path but
+choice, the upstream and the prompt's block keys are queued; every 20 ms at most the queue goes
+out as one datagram to every peer found in the folder, without waiting: a peer whose queue is
+full misses it and routes as it would have alone, so a slow peer never slows this one. Each
+process reads its socket as a reader of its loop and holds what it is told in its own mirrors,
+exactly as if it had routed the request itself. Nothing here is on a request's path but
 appending to a list; nothing crosses the host (processes on other hosts agree by the rendezvous
 order of ``gateway.routing.choice``).
 
@@ -36,20 +34,17 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"LGP2"
-# The header: the sender's pid (u32), how many load records follow (u16). A load record: the
-# upstream id's length (u16), the id, its outstanding requests and those of them awaiting a
-# first byte (u32 each). Then placement records:
-# the upstream id's length (u16), the id, the number of keys (u16), the keys (u64).
-_HEADER = struct.Struct("<IH")
+MAGIC = b"LGP3"
+# The header: the sender's pid (u32). Then placement records: the upstream id's length (u16),
+# the id, the number of keys (u16), the keys (u64).
+_HEADER = struct.Struct("<I")
 _ID_LEN = struct.Struct("<H")
 _COUNT = struct.Struct("<H")
-_LOAD = struct.Struct("<II")
 _KEY = 8
 # Under the smallest datagram a Linux host's default socket buffers carry whole (about 200 KiB),
 # so a batch is never refused for its size; a larger batch goes as several datagrams.
@@ -60,20 +55,17 @@ _U32 = 0xFFFFFFFF
 # short (a peer holds the head of the prompt, which is what any match starts with).
 MAX_KEYS = 1024
 SCAN_SECONDS = 2.0  # how often the folder is listed for peers that started or stopped
-# What is queued goes out this long after the first of it: a datagram each time a count changed
-# woke every peer three times a request (make bench: +0.4 ms p50 and +0.2 ms CPU a request at
-# one client); batched, a peer wakes at most 50 times a second, and a conversation's next turn
-# comes seconds later anyway.
+# What is queued goes out this long after the first of it: a datagram for each request woke
+# every peer for each (make bench: +0.4 ms p50 and +0.2 ms CPU a request at one client);
+# batched, a peer wakes at most 50 times a second, and a conversation's next turn comes seconds
+# later anyway.
 FLUSH_DELAY_S = 0.02
-LOADS_EVERY_S = 0.5  # a process with requests outstanding says so at least this often...
-LOADS_STALE_S = 2.0  # ...and a peer not heard from for this long has none (it stopped)
-MAX_PEERS = 64  # peers whose loads are kept (a host runs a few web processes)
+MAX_PEERS = 64  # peers told (a host runs a few web processes)
 _SOCKET_NAME = re.compile(r"^(\d+)\.sock$")
 
 Hold = Callable[[str, tuple[int, ...]], None]
 
 
-Loads = dict[str, int]
 Placements = list[tuple[str, tuple[int, ...]]]
 
 
@@ -81,23 +73,12 @@ def _name(upstream_id: str) -> bytes:
     return upstream_id.encode("utf-8", "surrogatepass")[:MAX_ID_BYTES]
 
 
-def encode(
-    pid: int, loads: Loads, placements: Placements, awaiting: Loads | None = None
-) -> Iterator[bytes]:
-    """Datagrams carrying this process's ``loads`` and ``awaiting`` (in the first) and
-    ``placements`` (upstream id, block keys), each under MAX_DATAGRAM; one datagram when there
-    are no placements."""
-    waits = awaiting or {}
-    load_records = [
-        _ID_LEN.pack(len(name))
-        + name
-        + _LOAD.pack(min(loads.get(uid, 0), _U32), min(waits.get(uid, 0), _U32))
-        for uid, name in ((uid, _name(uid)) for uid in {**loads, **waits})
-    ]
-    head = MAGIC + _HEADER.pack(pid, len(load_records))
-    parts: list[bytes] = [head, *load_records]
-    size = sum(len(part) for part in parts)
-    fresh = True  # nothing but the header in ``parts`` since the last datagram
+def encode(pid: int, placements: Placements) -> Iterator[bytes]:
+    """Datagrams carrying ``placements`` (upstream id, block keys), each under MAX_DATAGRAM;
+    one datagram (a hello, when there are none)."""
+    head = MAGIC + _HEADER.pack(pid)
+    parts: list[bytes] = [head]
+    size = len(head)
     for upstream_id, all_keys in placements:
         name = _name(upstream_id)
         keys = all_keys[:MAX_KEYS]
@@ -109,13 +90,11 @@ def encode(
                 struct.pack(f"<{len(keys)}Q", *keys),
             )
         )
-        if size + len(record) > MAX_DATAGRAM and not fresh:
+        if size + len(record) > MAX_DATAGRAM and len(parts) > 1:
             yield b"".join(parts)
-            head = MAGIC + _HEADER.pack(pid, 0)  # the loads went in the first
             parts, size = [head], len(head)
         parts.append(record)
         size += len(record)
-        fresh = False
     yield b"".join(parts)
 
 
@@ -130,20 +109,14 @@ def _upstream_id(view: memoryview, at: int, after: int) -> tuple[str, int]:
     return bytes(view[at : at + id_len]).decode("utf-8"), at + id_len
 
 
-def decode(data: bytes) -> tuple[int, Loads, Placements, Loads]:
-    """The sender's pid, loads, placements and awaiting counts in one datagram; ValueError when
-    any part of it does not parse."""
+def decode(data: bytes) -> tuple[int, Placements]:
+    """The sender's pid and the placements in one datagram; ValueError when any part of it
+    does not parse."""
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _HEADER.size:
         raise ValueError("not a placements datagram")
     view = memoryview(data)
-    pid, load_count = _HEADER.unpack_from(view, len(MAGIC))
+    (pid,) = _HEADER.unpack_from(view, len(MAGIC))
     at = len(MAGIC) + _HEADER.size
-    loads: Loads = {}
-    awaiting: Loads = {}
-    for _ in range(load_count):
-        upstream_id, at = _upstream_id(view, at, _LOAD.size)
-        loads[upstream_id], awaiting[upstream_id] = _LOAD.unpack_from(view, at)
-        at += _LOAD.size
     out: Placements = []
     while at < len(view):
         upstream_id, at = _upstream_id(view, at, _COUNT.size)
@@ -154,31 +127,15 @@ def decode(data: bytes) -> tuple[int, Loads, Placements, Loads]:
         keys = struct.unpack_from(f"<{count}Q", view, at)
         at += count * _KEY
         out.append((upstream_id, keys))
-    return pid, loads, out, awaiting
+    return pid, out
 
 
 class Peers:
     """This process's end of the host's placement exchange (module docstring)."""
 
-    def __init__(
-        self,
-        folder: Path,
-        hold: Hold,
-        own_loads: Loads,
-        own_awaiting: Loads | None = None,
-        *,
-        pid: int = 0,
-    ) -> None:
+    def __init__(self, folder: Path, hold: Hold, *, pid: int = 0) -> None:
         self.folder = folder
         self.hold = hold
-        # This process's outstanding requests, and those awaiting a first byte (the caller's).
-        self.own_loads = own_loads
-        self.own_awaiting: Loads = {} if own_awaiting is None else own_awaiting
-        self.loads: Loads = {}  # the peers' outstanding requests, summed
-        self.awaiting: Loads = {}  # and those of them awaiting a first byte
-        # pid → when it was heard, its loads and awaiting counts
-        self._peer_loads: dict[int, tuple[float, Loads, Loads]] = {}
-        self._loads_sent_at = -LOADS_EVERY_S
         self._flush_due = False
         self.pid = pid or os.getpid()  # its socket's name (another only in tests)
         self._dir_fd = -1
@@ -213,7 +170,7 @@ class Peers:
         # next look at the folder (a datagram from a pid they do not know adds it).
         self._scanned_at = time.monotonic()
         self._peers = self._scan()
-        self._send(encode(self.pid, {}, []))
+        self._send(encode(self.pid, []))
         return True
 
     def _path(self, name: str) -> str:
@@ -223,25 +180,10 @@ class Peers:
 
     def tell(self, upstream_id: str, keys: tuple[int, ...]) -> None:
         """Queue a placement for the peers; the queue goes out within FLUSH_DELAY_S."""
-        if self._sock is None:
+        if self._sock is None or not keys:
             return
-        if keys:
-            self._pending.append((upstream_id, keys))
+        self._pending.append((upstream_id, keys))
         self._flush_soon()
-
-    def loads_changed(self) -> None:
-        """This process's outstanding requests changed: the peers hear it within FLUSH_DELAY_S."""
-        if self._sock is not None:
-            self._flush_soon()
-
-    def heartbeat(self) -> None:
-        """Called about once a second: loads still outstanding are said again, and peers
-        that went silent stop counting."""
-        if self._sock is None:
-            return
-        self._forget_silent(time.monotonic())
-        if self.own_loads and time.monotonic() - self._loads_sent_at >= LOADS_EVERY_S:
-            self._flush_soon()
 
     def _flush_soon(self) -> None:
         if not self._flush_due:
@@ -258,10 +200,9 @@ class Peers:
         if now - self._scanned_at >= SCAN_SECONDS:
             self._scanned_at = now
             self._peers = self._scan()
-        if not self._peers:
+        if not self._peers or not pending:
             return
-        self._loads_sent_at = now
-        self._send(encode(self.pid, self.own_loads, pending, self.own_awaiting))
+        self._send(encode(self.pid, pending))
 
     def _send(self, datagrams: Iterator[bytes]) -> None:
         sock = self._sock
@@ -308,39 +249,21 @@ class Peers:
             except OSError:
                 return
             try:
-                pid, loads, placements, awaiting = decode(data)
+                pid, placements = decode(data)
             except (ValueError, UnicodeDecodeError, struct.error):
                 self.dropped += 1
                 continue
             self.received += 1
-            self._heard(pid, loads, awaiting)
+            self._heard(pid)
             for upstream_id, keys in placements:
                 self.hold(upstream_id, keys)
 
-    def _heard(self, pid: int, loads: Loads, awaiting: Loads) -> None:
-        now = time.monotonic()
-        if pid == self.pid:
-            return
+    def _heard(self, pid: int) -> None:
+        """A datagram from ``pid``: a peer that started since this process last looked is
+        told from now on."""
         name = f"{pid}.sock"
-        if name not in self._peers and len(self._peers) < MAX_PEERS:
-            self._peers.append(name)  # it started since this process last looked
-        if pid not in self._peer_loads and len(self._peer_loads) >= MAX_PEERS:
-            self._forget_silent(now)
-            if len(self._peer_loads) >= MAX_PEERS:
-                return
-        self._peer_loads[pid] = (now, loads, awaiting)
-        self._sum_loads()
-
-    def _forget_silent(self, now: float) -> None:
-        silent = [p for p, (at, *_) in self._peer_loads.items() if now - at > LOADS_STALE_S]
-        for pid in silent:
-            del self._peer_loads[pid]
-        if silent:
-            self._sum_loads()
-
-    def _sum_loads(self) -> None:
-        self.loads = _summed(loads for _, loads, _ in self._peer_loads.values())
-        self.awaiting = _summed(awaiting for _, _, awaiting in self._peer_loads.values())
+        if pid != self.pid and name not in self._peers and len(self._peers) < MAX_PEERS:
+            self._peers.append(name)
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
@@ -354,14 +277,6 @@ class Peers:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
-
-
-def _summed(each: Iterable[Loads]) -> Loads:
-    total: Loads = {}
-    for loads in each:
-        for upstream_id, count in loads.items():
-            total[upstream_id] = total.get(upstream_id, 0) + count
-    return total
 
 
 def _alive(pid: int) -> bool:

@@ -6,8 +6,9 @@ once when this process saves a routing row (Django signals), and four times as o
 request waits for a cold model. Other processes see a change within one refresh interval.
 
 Outstanding-request counts and ejections are per process: each web process counts the
-requests it holds, and the web processes of one host tell each other theirs off the request
-path (``gateway.routing.peers``), so routing by the cache judges the host's load. What the
+requests it holds (``gateway.routing.loads``), and the web processes of one host share theirs
+on the host's board (``gateway.routing.board``), so routing by the cache judges the host's
+load; they tell each other their placements too (``gateway.routing.peers``). What the
 control plane needs of them is reported off the request path by the same background task:
 requests in flight per replica (as a heartbeat, whenever the set of busy replicas changed since
 the last report, and at once when a replica idle for a while goes busy) and when each replica
@@ -43,11 +44,12 @@ from gateway import dbthread
 from gateway.errors import ApiError
 from gateway.models import Endpoint
 from gateway.routing import prefix
-from gateway.routing.choice import LEAST_LOADED, Bounds, Choice, Placement, choose_cached
+from gateway.routing.board import Board
+from gateway.routing.choice import CACHED, LEAST_LOADED, Bounds, Choice, Placement, choose_cached
 from gateway.routing.loading import load_table
+from gateway.routing.loads import Hold, Loads
 from gateway.routing.mirrors import Learned, Mirrors
 from gateway.routing.peers import Peers
-from gateway.routing.shares import Shares
 from gateway.routing.table import (
     Route,
     Table,
@@ -59,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 # A replica going busy after an idle spell is reported this long after (see _report_shortly).
 BUSY_REPORT_DELAY_S = 0.05
+# The refresh task wakes at least this often: it keeps this process's slot on the host's board
+# alive (gateway.routing.board), however long the table's refresh interval is.
+HEARTBEAT_S = 1.0
 
 
 class Upstreams:
@@ -67,10 +72,9 @@ class Upstreams:
     def __init__(self) -> None:
         self.table = Table()
         self.loaded = False
-        self.outstanding: dict[str, int] = {}
-        # Of those, the ones not answered a first byte yet: an engine's prefill queue, which a
-        # new prompt waits behind (one prefill at a time) whatever it decodes meanwhile.
-        self.awaiting: dict[str, int] = {}
+        # The requests this process holds at each upstream, and the host's (its board).
+        self.loads = Loads()
+        self.outstanding = self.loads.outstanding
         self.ejected_until: dict[str, float] = {}
         self.waiting: dict[int, int] = {}
         self._rotation = itertools.count()
@@ -92,9 +96,9 @@ class Upstreams:
         self._active_at: dict[str, float] = {}  # replica upstream id -> last finish, monotonic
         # What each upstream's prefix cache is expected to hold (routing by the cache).
         self.mirrors = Mirrors(int(settings.LLMGW_ROUTING_MIRROR_BLOCKS))
-        self.shares = Shares()  # each prefix's (or session's) part of the recent traffic
         self.peers: Peers | None = None  # this host's other web processes, told each placement
         self._routed_ids: frozenset[str] = frozenset()  # the upstreams the table routes to
+        self._by_column: dict[int, str] = {}  # the board's columns of those upstreams
 
     # --- the table ------------------------------------------------------------------------
 
@@ -135,13 +139,18 @@ class Upstreams:
             refreshed.set()
 
     def _share_placements(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Exchange placements with this host's other web processes (``gateway.routing.peers``)
-        when routing by the cache."""
+        """Share loads and new prefixes' homes with this host's other web processes on its
+        board (``gateway.routing.board``), and tell them placements
+        (``gateway.routing.peers``), when routing by the cache."""
         if self.peers or not settings.LLMGW_ROUTING_SHARE or not self._cache_aware():
             return
-        peers = Peers(
-            settings.VAR_DIR / "routing-peers", self._held_by_peer, self.outstanding, self.awaiting
-        )
+        folder = settings.VAR_DIR / "routing-peers"
+        if self.loads.board is None:
+            board = Board.open(folder, time.monotonic())
+            if board is not None:
+                self.loads.share(board)
+                atexit.register(self.loads.unshare)
+        peers = Peers(folder, self._held_by_peer)
         if peers.start(loop):
             self.peers = peers
             atexit.register(peers.close)
@@ -162,6 +171,10 @@ class Upstreams:
         block_bytes = int(settings.LLMGW_ROUTING_BLOCK_BYTES)
         size = self.mirrors.token_bytes
         self._routed_ids = frozenset(table.upstreams())
+        if self.loads.board is not None:
+            routed = {uid: u.generation for uid, u in table.upstreams().items()}
+            self.loads.remember(routed, time.monotonic())
+            self._by_column = self.loads.columns_by_upstream()
         self.mirrors.retain(
             {
                 uid: (
@@ -199,8 +212,8 @@ class Upstreams:
         assert self._wake is not None and self._first_load is not None
         reload_at = -math.inf
         while True:
-            if self.peers is not None:
-                self.peers.heartbeat()  # first: a slow store must not silence this process
+            # First: a slow store must not make this process look gone to its peers.
+            self.loads.heartbeat(time.monotonic())
             try:
                 if self._reload_wanted or time.monotonic() >= reload_at:
                     self._reload_wanted = False
@@ -226,7 +239,8 @@ class Upstreams:
                     reload_at, time.monotonic() + float(settings.LLMGW_ROUTING_REFRESH) / 4
                 )
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, reload_at - time.monotonic())):
+                wake_in = min(HEARTBEAT_S, reload_at - time.monotonic())
+                async with asyncio.timeout(max(0.0, wake_in)):
                     await self._wake.wait()
             self._wake.clear()
 
@@ -276,19 +290,22 @@ class Upstreams:
                 offset=next(self._rotation),
             )
             return None if upstream is None else Choice(upstream, LEAST_LOADED, 0)
-        key = affinity if affinity is not None else blocks.lead
+        lead = blocks.lead
+        key = affinity if affinity is not None else lead
         # Hotter than one upstream's fair share: no one upstream can serve it, spread it.
-        hot = key is not None and self.shares.count(key) * len(route.upstreams) > 1.0
-        outstanding, awaiting = self._host_loads(route)
+        hot = key is not None and self.loads.hot(key, len(route.upstreams))
+        ids = _ids(route)
+        outstanding, waits = self.loads.host(ids, now)
+        matches = self.mirrors.matches(ids, blocks.keys)
+        if lead is not None and affinity is None and not any(matches.values()):
+            matches = self._home_of(lead, len(blocks.keys), now) or matches
         choice = choose_cached(
             route.upstreams,
             outstanding,
             self.ejected_until,
             now,
-            awaiting=awaiting,
-            placement=Placement(
-                blocks.lead, affinity, self.mirrors.matches(_ids(route), blocks.keys), hot
-            ),
+            waits=waits,
+            placement=Placement(lead, affinity, matches, hot),
             bounds=_bounds(
                 settings.LLMGW_ROUTING_LOAD_FACTOR,
                 settings.LLMGW_ROUTING_LOAD_SLACK,
@@ -297,23 +314,51 @@ class Upstreams:
             exclude=exclude,
             offset=next(self._rotation),
         )
+        if choice is not None and choice.placed and lead is not None:
+            choice = self._claim_home(route, choice, blocks, exclude=exclude, now=now)
         if choice is not None:
             self.mirrors.hold(choice.upstream.id, blocks.keys)
             if self.peers is not None:
                 self.peers.tell(choice.upstream.id, blocks.keys)
         return choice
 
-    def _host_loads(self, route: Route) -> tuple[dict[str, int], dict[str, int]]:
-        """The requests outstanding at each of ``route``'s upstreams, and those of them still
-        awaiting a first byte, from every web process of this host (this one's own, where no
-        peer has said anything)."""
-        peers = self.peers
-        if peers is None or not peers.loads:
-            return self.outstanding, self.awaiting
-        ids = _ids(route)
-        return _added(self.outstanding, peers.loads, ids), _added(
-            self.awaiting, peers.awaiting, ids
-        )
+    def _home_of(self, lead: int, keys: int, now: float) -> dict[str, int] | None:
+        """Where another process of this host placed the prefix led by ``lead`` moments ago
+        (its home on the board): it has not told this one yet, and placing it a second time
+        would compute it twice. As a match of all but the last of the blocks the two prompts
+        could share (which of them they do, only the placement's keys would tell)."""
+        board = self.loads.board
+        found = board.home(lead, now) if board is not None else None
+        if found is None:
+            return None
+        column, blocks = found
+        uid = self._by_column.get(column)
+        return {uid: max(1, min(blocks, keys) - 1)} if uid is not None else None
+
+    def _claim_home(
+        self,
+        route: Route,
+        choice: Choice,
+        blocks: prefix.PromptBlocks,
+        *,
+        exclude: set[str] | frozenset[str],
+        now: float,
+    ) -> Choice:
+        """Make the new prefix's upstream its home on the host's board; where another process
+        placed it at the same instant, follow that one's choice instead."""
+        board = self.loads.board
+        column = self.loads.column(choice.upstream.id)
+        if board is None or column is None:
+            return choice
+        assert blocks.lead is not None
+        home = board.claim_home(blocks.lead, column, len(blocks.keys), now)
+        if home == column:
+            return choice
+        uid = self._by_column.get(home)
+        for upstream in route.upstreams:
+            if upstream.id == uid and uid not in exclude:
+                return Choice(upstream, CACHED, 1)
+        return choice
 
     def learn(
         self,
@@ -333,12 +378,12 @@ class Upstreams:
         size in tokens becomes a mirror's ceiling in blocks (at the next table load)."""
         self.mirrors.token_bytes.learn(blocks.size, prompt_tokens)
 
-    def acquire(self, upstream: Upstream) -> None:
-        count = self.outstanding[upstream.id] = self.outstanding.get(upstream.id, 0) + 1
-        self.awaiting[upstream.id] = self.awaiting.get(upstream.id, 0) + 1
-        if self.peers is not None:
-            self.peers.loads_changed()
-        if count == 1 and upstream.id.startswith("replica:"):
+    def acquire(self, upstream: Upstream, prefill: int = 0, key: int | None = None) -> Hold:
+        """A request is sent to ``upstream``, bringing ``prefill`` prompt bytes for its engine
+        to prefill (as the choice expected), of the prefix (or session) ``key``: held there
+        until ``release``."""
+        hold = self.loads.acquire(upstream.id, prefill, time.monotonic(), key)
+        if self.outstanding[upstream.id] == 1 and upstream.id.startswith("replica:"):
             last_finished = self._active_at.get(upstream.id, -math.inf)
             if time.monotonic() - last_finished >= serving.STAMP_EVERY_S:
                 # A replica idle for a while going busy is reported within moments, not at the
@@ -346,23 +391,19 @@ class Upstreams:
                 # finished a request within the stamp interval is recent use in the store
                 # already (its finish time is written by then), and the next cycle reports it.
                 self._report_shortly()
+        return hold
 
-    def answered(self, upstream: Upstream) -> None:
-        """A request held at ``upstream`` had its first byte: its prefill is done."""
-        _decrement(self.awaiting, upstream.id)
-        if self.peers is not None:
-            self.peers.loads_changed()
+    def answered(self, hold: Hold) -> None:
+        """A held request had its first byte: its prefill is done."""
+        self.loads.answered(hold, time.monotonic())
 
-    def release(self, upstream: Upstream, *, answered: bool = True) -> None:
-        """A request held at ``upstream`` ended (``answered``: after its first byte)."""
-        _decrement(self.outstanding, upstream.id)
-        if not answered:
-            _decrement(self.awaiting, upstream.id)
-        if self.peers is not None:
-            self.peers.loads_changed()
-        if upstream.id.startswith("replica:"):
-            self._finished[int(upstream.id[8:])] = timezone.now()
-            self._active_at[upstream.id] = time.monotonic()
+    def release(self, hold: Hold) -> None:
+        """A held request ended, answered or not."""
+        self.loads.release(hold)
+        uid = hold.upstream_id
+        if uid.startswith("replica:"):
+            self._finished[int(uid[8:])] = timezone.now()
+            self._active_at[uid] = time.monotonic()
         # A replica going idle is reported by the next cycle (within a refresh interval): it
         # may then be scaled down, which is not urgent.
 
@@ -476,18 +517,6 @@ class Upstreams:
             return False
         self._stamped[key] = now
         return True
-
-
-def _added(own: dict[str, int], theirs: dict[str, int], ids: list[str]) -> dict[str, int]:
-    return {i: own.get(i, 0) + theirs.get(i, 0) for i in ids}
-
-
-def _decrement(counts: dict[str, int], key: str) -> None:
-    left = counts.get(key, 1) - 1
-    if left <= 0:
-        counts.pop(key, None)
-    else:
-        counts[key] = left
 
 
 @functools.lru_cache(maxsize=8)

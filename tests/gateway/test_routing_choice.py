@@ -20,8 +20,8 @@ from gateway.routing.choice import (
     rendezvous,
     session_key,
 )
+from gateway.routing.loads import Loads
 from gateway.routing.mirrors import FLOOR_BLOCKS, Mirror, Mirrors, TokenBytes, matches
-from gateway.routing.shares import Shares
 from gateway.routing.table import Upstream
 
 A, B, C, D = (Upstream(f"replica:{i}", f"http://10.0.0.{i}:8000") for i in range(1, 5))
@@ -220,7 +220,7 @@ def pick(
     exclude: tuple[str, ...] = (),
     hot: bool = False,
     bounds: Bounds = BOUNDS,
-    awaiting: dict[str, int] | None = None,
+    waits: dict[str, float] | None = None,
 ) -> tuple[str, str, int]:
     choice = choose_cached(
         FOUR,
@@ -230,7 +230,7 @@ def pick(
         placement=Placement(lead, affinity, matches or {}, hot),
         bounds=bounds,
         exclude=exclude,
-        awaiting=awaiting,
+        waits=waits,
     )
     assert choice is not None
     return choice.upstream.id, choice.outcome, choice.predicted
@@ -289,16 +289,26 @@ def test_a_cold_prefix_takes_its_order_among_those_within_the_cold_slack_of_the_
     assert pick(outstanding, lead=lead) == (order[2], SPILLED, 0)
 
 
-def test_a_cold_prefix_goes_where_the_fewest_await_their_prefill() -> None:
-    """A new prompt waits behind the prefills queued where it goes, not behind what decodes:
-    fewest awaiting a first byte first, outstanding within the slack among those."""
+def test_a_cold_prefix_goes_where_its_prefill_would_wait_least() -> None:
+    """A new prompt waits behind the prefill queued where it goes, not behind what decodes:
+    the shortest wait first, outstanding within the slack among those."""
     lead = 12345
     order = [u.id for u in rendezvous(lead, FOUR)]
     outstanding = {order[0]: 1, order[1]: 1, order[2]: 9, order[3]: 12}
-    awaiting = {order[0]: 1, order[1]: 2, order[2]: 0, order[3]: 0}
-    assert pick(outstanding, lead=lead, awaiting=awaiting) == (order[2], SPILLED, 0)
+    waits = {order[0]: 0.02, order[1]: 0.3, order[2]: 0.0, order[3]: 0.0}
+    assert pick(outstanding, lead=lead, waits=waits) == (order[2], SPILLED, 0)
     # Equal queues: its own order, within the slack of the least outstanding.
-    assert pick(outstanding, lead=lead, awaiting={})[:2] == (order[0], COLD)
+    assert pick(outstanding, lead=lead, waits={})[:2] == (order[0], COLD)
+    # The shortest wait wins however little shorter: the queue's end is where it starts.
+    waits = {order[0]: 0.011, order[1]: 0.010, order[2]: 0.5, order[3]: 0.2}
+    assert pick({}, lead=lead, waits=waits) == (order[1], SPILLED, 0)
+
+
+def test_a_choice_says_when_it_placed_a_prefix_nobody_held() -> None:
+    lead = 12345
+    assert choose_cached(FOUR, {}, {}, 0.0, placement=Placement(lead), bounds=BOUNDS).placed  # type: ignore[union-attr]
+    held = Placement(lead, matches={"replica:2": 3})
+    assert not choose_cached(FOUR, {}, {}, 0.0, placement=held, bounds=BOUNDS).placed  # type: ignore[union-attr]
 
 
 def test_a_session_sticks_to_one_replica_whatever_is_cached_elsewhere() -> None:
@@ -362,19 +372,29 @@ def test_a_cool_prefix_stays_where_it_is_cached_up_to_the_slack_a_hot_one_does_n
     assert pick(outstanding, matches=held, bounds=loose, hot=True)[1] == SPILLED
 
 
-def test_a_keys_share_of_the_recent_traffic_decays_as_others_come() -> None:
-    shares = Shares(window=100)
-    assert shares.count(1) == 1.0  # the only key so far
-    for _ in range(300):
-        shares.count(2)
-    assert shares.count(1) < 0.05  # counted twice, long ago
-    for i in range(300):
-        shares.count(i % 3 + 10)  # three keys taking turns
-    assert 0.25 < shares.count(10) < 0.45
-
-
-def test_a_share_remembers_a_bounded_number_of_keys() -> None:
-    shares = Shares(window=10)
-    for key in range(1000):
-        shares.count(key)
-    assert len(shares._counts) <= 40
+def test_a_key_is_hot_past_one_upstreams_share_of_what_is_in_flight_not_by_chance() -> None:
+    # A burst's first requests: eight prefixes drawn at random, so some of them are more than
+    # a quarter of the first few by chance. None is more than one upstream of four can serve:
+    # none is hot.
+    for seed in range(20):
+        burst = Loads()
+        for key in random.Random(seed).choices(range(8), k=64):
+            assert not burst.hot(key, 4), seed
+            burst.acquire("r1", 0, 0.0, key)
+    # One prefix taking every request is hot within a few.
+    loads = Loads()
+    taken = 0
+    while not loads.hot(99, 4):
+        loads.acquire("r1", 0, 0.0, 99)
+        taken += 1
+    assert taken <= 6
+    # Twenty-four at once of one prefix, after fifty of others that are done: hot.
+    after = Loads()
+    for key in range(50):
+        after.release(after.acquire("r1", 0, 0.0, key))
+    held = [after.acquire("r1", 0, 0.0, 7) for _ in range(23)]
+    assert after.hot(7, 3)
+    # A prefix counts while its requests are held, and no longer after.
+    for hold in held:
+        after.release(hold)
+    assert after.in_flight == {} and after.flying == 0

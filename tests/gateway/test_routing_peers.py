@@ -21,40 +21,28 @@ KEY = st.integers(min_value=0, max_value=(1 << 64) - 1)
 
 
 @given(
-    st.dictionaries(st.text(min_size=1, max_size=20), st.integers(0, 10_000), max_size=8),
     st.lists(
         st.tuples(st.text(min_size=1, max_size=20), st.lists(KEY, max_size=40).map(tuple)),
         max_size=20,
     ),
 )
-def test_what_is_encoded_decodes_to_the_same(
-    loads: dict[str, int], placements: list[tuple[str, tuple[int, ...]]]
-) -> None:
-    awaiting = {upstream: count // 2 for upstream, count in loads.items()}
-    got_loads: dict[str, int] = {}
-    got_awaiting: dict[str, int] = {}
+def test_what_is_encoded_decodes_to_the_same(placements: list[tuple[str, tuple[int, ...]]]) -> None:
     got: list[tuple[str, tuple[int, ...]]] = []
-    for data in encode(1234, loads, placements, awaiting):
+    for data in encode(1234, placements):
         assert len(data) <= peers.MAX_DATAGRAM
-        pid, part_loads, part, part_awaiting = decode(data)
+        pid, part = decode(data)
         assert pid == 1234
-        got_loads.update(part_loads)
-        got_awaiting.update(part_awaiting)
         got += part
-    assert got_loads == loads
-    assert got_awaiting == awaiting
     assert got == placements
 
 
 def test_a_large_batch_goes_as_several_datagrams_each_under_the_limit() -> None:
     keys = tuple(range(peers.MAX_KEYS + 100))  # cut to MAX_KEYS
-    datagrams = list(encode(7, {"replica:1": 3}, [("replica:1", keys)] * 20))
+    datagrams = list(encode(7, [("replica:1", keys)] * 20))
     assert len(datagrams) > 1
-    placements = [p for d in datagrams for p in decode(d)[2]]
+    placements = [p for d in datagrams for p in decode(d)[1]]
     assert len(placements) == 20
     assert all(k == keys[: peers.MAX_KEYS] for _, k in placements)
-    # The loads travel once, in the first.
-    assert [decode(d)[1] for d in datagrams] == [{"replica:1": 3}] + [{}] * (len(datagrams) - 1)
 
 
 @given(st.binary(max_size=300))
@@ -69,12 +57,13 @@ def test_any_bytes_parse_or_are_refused_as_a_whole(data: bytes) -> None:
     "data",
     [
         b"",
-        b"LGP1" + b"\0" * 10,  # another version
-        peers.MAGIC + struct.pack("<IH", 1, 1),  # a load record promised, none there
-        peers.MAGIC + struct.pack("<IH", 1, 0) + struct.pack("<H", 0),  # an empty id
-        peers.MAGIC + struct.pack("<IH", 1, 0) + struct.pack("<H", 600) + b"x" * 600,
-        peers.MAGIC + struct.pack("<IH", 1, 0) + struct.pack("<H", 1) + b"a" + b"\xff\xff",
-        peers.MAGIC + struct.pack("<IH", 1, 0) + struct.pack("<H", 2) + b"\xff\xfe\0\0",
+        b"LGP2" + b"\0" * 10,  # another version
+        peers.MAGIC + b"\1\0",  # a header cut short
+        peers.MAGIC + struct.pack("<I", 1) + struct.pack("<H", 0),  # an empty id
+        peers.MAGIC + struct.pack("<I", 1) + struct.pack("<H", 600) + b"x" * 600,
+        peers.MAGIC + struct.pack("<I", 1) + struct.pack("<H", 1) + b"a" + b"\xff\xff",
+        peers.MAGIC + struct.pack("<I", 1) + struct.pack("<H", 2) + b"\xff\xfe\0\0",
+        peers.MAGIC + struct.pack("<I", 1) + struct.pack("<H", 1) + b"a",  # no key count
     ],
 )
 def test_a_malformed_datagram_is_refused(data: bytes) -> None:
@@ -82,40 +71,31 @@ def test_a_malformed_datagram_is_refused(data: bytes) -> None:
         decode(data)
 
 
-async def test_two_ends_tell_each_other_placements_and_loads(tmp_path: Path) -> None:
+async def test_two_ends_tell_each_other_placements(tmp_path: Path) -> None:
     loop = asyncio.get_running_loop()
     held: dict[int, list[tuple[str, tuple[int, ...]]]] = {1: [], 2: []}
-    loads_a: dict[str, int] = {}
     # A deep folder: a Unix socket's own path could not be this long.
     folder = tmp_path / ("x" * 60) / ("y" * 60) / "routing-peers"
-    awaiting_a: dict[str, int] = {}
-    a = Peers(folder, lambda u, k: held[1].append((u, k)), loads_a, awaiting_a, pid=os.getpid())
-    b = Peers(folder, lambda u, k: held[2].append((u, k)), {}, pid=_pid_that_is_alive())
+    a = Peers(folder, lambda u, k: held[1].append((u, k)), pid=os.getpid())
+    b = Peers(folder, lambda u, k: held[2].append((u, k)), pid=_pid_that_is_alive())
     try:
         assert a.start(loop)
         assert b.start(loop)  # says hello: a knows of b before a looks at the folder again
         await _turns(loop, lambda: a._peers == [f"{b.pid}.sock"])
-        loads_a["replica:1"] = 2
-        awaiting_a["replica:1"] = 1
         a.tell("replica:1", (11, 22, 33))
-        await _turns(loop, lambda: bool(held[2]))
-        assert held[2] == [("replica:1", (11, 22, 33))]
-        assert b.loads == {"replica:1": 2}
-        assert b.awaiting == {"replica:1": 1}
+        a.tell("replica:2", (44,))
+        await _turns(loop, lambda: len(held[2]) == 2)
+        assert held[2] == [("replica:1", (11, 22, 33)), ("replica:2", (44,))]
         assert held[1] == []  # nobody tells itself
 
         # A malformed datagram is dropped and counted; the exchange goes on.
         b._sock.sendto(b"garbage", a._path(f"{a.pid}.sock"))  # type: ignore[union-attr]
         await _turns(loop, lambda: a.dropped == 1)
 
-        # b stops: a's next send finds its socket gone and forgets it; its loads age out.
+        # b stops: a's next send finds its socket gone and forgets it.
         b.close()
         a.tell("replica:2", (44,))
         await _turns(loop, lambda: not a._peers)
-        a._peer_loads = {b.pid: (0.0, {"replica:1": 5}, {})}
-        a._sum_loads()
-        a.heartbeat()
-        assert a.loads == {}
     finally:
         a.close()
         b.close()
@@ -127,7 +107,7 @@ def test_a_socket_left_by_a_process_that_is_gone_is_cleared(tmp_path: Path) -> N
     folder.mkdir()
     gone = _pid_that_is_gone()
     (folder / f"{gone}.sock").touch()
-    end = Peers(folder, lambda u, k: None, {})
+    end = Peers(folder, lambda u, k: None)
     loop = asyncio.new_event_loop()
     try:
         assert end.start(loop)

@@ -1,0 +1,422 @@
+"""The host's board: the routing state the web processes of one host share through memory.
+
+The web processes behind one listening socket take one burst's requests side by side, each
+choosing within microseconds of the others. Counts told by message arrive too late for that:
+the other process has already sent its half of the burst where its own counts looked best, and
+a new prefix's first requests have been placed twice. So what the choice needs of the host as
+it is *now* lives on a board that every process maps into its memory: reading and writing it is
+reading and writing memory, with no system call and nothing to wait for.
+
+The board is a file of fixed size in the host's var folder (``routing-peers/board-v1``,
+owner-only as the folder is), mapped shared by each web process. It holds:
+
+- **slots**, one per web process: its pid and a heartbeat, and for each upstream its
+  outstanding requests, those of them awaiting a first byte (queued for the engine's prefill),
+  the prompt bytes those bring to be prefilled, when the oldest of them was sent and when the
+  last first byte came. A process
+  writes only its own slot; a reader sums the live slots. A process that died leaves its slot:
+  its heartbeat ages past ``SLOT_STALE_S``, readers skip it, and the next process to start
+  takes it over, zeroed.
+- **the registry**: each upstream id (a 64-bit hash of it) and the column of every slot that
+  counts it, so the processes count one upstream in one place. An entry no process has used for
+  ``REGISTRY_IDLE_S`` may be given to another upstream.
+- **homes**: where this host first placed each new prefix (its first block's key,
+  ``gateway.routing.prefix``) and when. A request of that prefix through another process, which
+  has not yet heard of the placement (``gateway.routing.peers``), goes to the same upstream
+  instead of placing the prefix a second time. A home is claimed under the board's lock
+  (``flock``), so two processes placing one new prefix at the same instant agree on one
+  upstream; it is trusted for ``HOME_TTL_S``.
+
+Clock: ``time.monotonic()``, which on Linux is the host's, the same in every process.
+
+Everything read here was written by a process of ours, yet a value out of range (a torn read,
+a damaged file) must not stop a request: a column past the registry, a count that cannot be
+real, is read as nothing there. Where the board cannot be opened (no folder, a file system
+that cannot map it) each process routes on its own counts, as it did before the board.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import math
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+NAME = "board-v1"
+MAGIC = b"LLMGWBD1"
+SLOTS = 64  # web processes of one host, at most
+UPSTREAMS = 512  # upstreams the host routes to at once, at most
+HOMES = 16_384  # new prefixes remembered (a probe window each; the oldest make room)
+HOME_PROBES = 4
+REGISTRY_PROBES = 16
+SLOT_STALE_S = 5.0  # a slot not heartbeaten for this long counts for nothing
+HOME_TTL_S = 60.0
+HOME_TTL_TENTHS = int(HOME_TTL_S * 10)
+REGISTRY_IDLE_S = 600.0
+MAX_PID = 1 << 22  # Linux's largest pid_max
+# A count no real process reaches: a larger one read is a torn or damaged value, read as 0.
+MAX_COUNT = 1 << 24
+
+_HEADER = struct.Struct("<8sIIII")  # magic, slots, upstreams, homes, slots ever claimed
+_HEADER_SIZE = 64
+_SLOT = 16  # pid (u32), unused (u32), heartbeat (f64)
+_ENTRY = 16  # registry: id hash (u64), last used (f64)
+_COUNTS = 4  # u32s per (slot, upstream): outstanding, awaiting, pending bytes, unused
+_TIMES = 2  # f64s per (slot, upstream): the oldest awaiting request's send, the last first byte
+# A home: the prefix's key, its column, its blocks, when (tenths of a second from the epoch).
+_HOME = struct.Struct("<QHHI")
+_CLAIMED_AT = 20  # in the header: how many slots were ever claimed
+
+_SLOTS_AT = _HEADER_SIZE
+_REGISTRY_AT = _SLOTS_AT + SLOTS * _SLOT
+_COUNTS_AT = _REGISTRY_AT + UPSTREAMS * _ENTRY
+_TIMES_AT = _COUNTS_AT + SLOTS * UPSTREAMS * _COUNTS * 4
+_HOMES_AT = _TIMES_AT + SLOTS * UPSTREAMS * _TIMES * 8
+_EPOCH_AT = _HOMES_AT + HOMES * _HOME.size  # f64: the clock's reading the homes count from
+SIZE = _EPOCH_AT + 8
+
+
+def id_hash(upstream_id: str) -> int:
+    """An upstream id as a registry key: never 0 (an empty entry)."""
+    return xxhash.xxh3_64_intdigest(upstream_id.encode("utf-8", "surrogatepass")) or 1
+
+
+@dataclass(frozen=True)
+class HostCounts:
+    """The live slots' sums for some columns, in their order."""
+
+    outstanding: list[int]
+    awaiting: list[int]
+    pending: list[int]  # prompt bytes awaiting prefill
+    oldest: list[float]  # when the oldest awaiting request was sent (0.0: none awaits)
+    answered: list[float]  # when the last first byte came (0.0: none yet)
+
+
+class Board:
+    """This process's handle on the host's board (module docstring)."""
+
+    def __init__(self, fd: int, mapped: mmap.mmap, slot: int, pid: int) -> None:
+        self._fd = fd
+        self._map = mapped
+        view = memoryview(mapped)
+        self._view = view
+        self._slots_u32 = view[_SLOTS_AT:_REGISTRY_AT].cast("I")
+        self._slots_f64 = view[_SLOTS_AT:_REGISTRY_AT].cast("d")
+        self._registry_u64 = view[_REGISTRY_AT:_COUNTS_AT].cast("Q")
+        self._registry_f64 = view[_REGISTRY_AT:_COUNTS_AT].cast("d")
+        self._counts = view[_COUNTS_AT:_TIMES_AT].cast("I")
+        self._times = view[_TIMES_AT:_HOMES_AT].cast("d")
+        self._homes = view[_HOMES_AT:_EPOCH_AT]
+        self._epoch = view[_EPOCH_AT:SIZE].cast("d")
+        self.slot = slot
+        self.pid = pid
+
+    # --- opening ------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, folder: Path, now: float, pid: int = 0) -> Board | None:
+        """Map the board of ``folder`` (made if missing) and claim a slot; None, with a
+        warning, where the host cannot (the process then routes on its own counts)."""
+        pid = pid or os.getpid()
+        fd = -1
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(folder / NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            with _locked(fd):
+                if os.fstat(fd).st_size != SIZE:
+                    os.ftruncate(fd, 0)  # another layout's leftovers: start clean
+                    os.ftruncate(fd, SIZE)
+                mapped = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                if mapped[: len(MAGIC)] != MAGIC:  # new, or not a board of this layout
+                    mapped[:] = bytes(SIZE)
+                    _HEADER.pack_into(mapped, 0, MAGIC, SLOTS, UPSTREAMS, HOMES, 0)
+                    struct.pack_into("<d", mapped, _EPOCH_AT, now)
+                (epoch,) = struct.unpack_from("<d", mapped, _EPOCH_AT)
+                if not math.isfinite(epoch) or epoch > now:  # damaged: the homes start over
+                    struct.pack_into("<d", mapped, _EPOCH_AT, now)
+                board = cls(fd, mapped, -1, pid)
+                board.slot = board._claim_slot(now)
+        except (OSError, ValueError) as error:
+            logger.warning("routing loads are not shared with this host's peers: %s", error)
+            if fd >= 0:
+                os.close(fd)
+            return None
+        if board.slot < 0:
+            logger.warning("routing loads are not shared: all %d board slots are taken", SLOTS)
+            board.close()
+            return None
+        return board
+
+    def _claim_slot(self, now: float) -> int:
+        """A free slot (never used, its process gone, or silent past SLOT_STALE_S), zeroed and
+        ours; -1 if none. Called under the lock."""
+        ever = self._claimed()
+        for slot in range(SLOTS):
+            pid = self._slots_u32[slot * 4]
+            heard = self._slots_f64[slot * 2 + 1]
+            if pid and pid != self.pid and now - heard < SLOT_STALE_S and _alive(pid):
+                continue
+            self._zero_slot(slot)
+            self._slots_u32[slot * 4] = self.pid
+            self._slots_f64[slot * 2 + 1] = now
+            if slot >= ever:
+                struct.pack_into("<I", self._map, _CLAIMED_AT, slot + 1)
+            return slot
+        return -1
+
+    def _claimed(self) -> int:
+        """How many slots have ever been claimed (the live ones are among them)."""
+        claimed: int = struct.unpack_from("<I", self._map, _CLAIMED_AT)[0]
+        return min(SLOTS, claimed)
+
+    def _zero_slot(self, slot: int) -> None:
+        start = slot * UPSTREAMS
+        self._counts[start * _COUNTS : (start + UPSTREAMS) * _COUNTS] = _ZERO_COUNTS
+        self._times[start * _TIMES : (start + UPSTREAMS) * _TIMES] = _ZERO_TIMES
+
+    def close(self) -> None:
+        """Give the slot back (zeroed) and unmap."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            if 0 <= self.slot < SLOTS and self._slots_u32[self.slot * 4] == self.pid:
+                self._zero_slot(self.slot)
+                self._slots_u32[self.slot * 4] = 0
+        for view in (
+            self._slots_u32,
+            self._slots_f64,
+            self._registry_u64,
+            self._registry_f64,
+            self._counts,
+            self._times,
+            self._homes,
+            self._epoch,
+            self._view,
+        ):
+            view.release()
+        self._map.close()
+        os.close(self._fd)
+        self._fd = -1
+
+    # --- this process's slot ------------------------------------------------------------
+
+    def heartbeat(self, now: float) -> None:
+        """Say this process is alive; take a slot again if another process took ours while
+        this one was silent (its counts are written again by the caller, ``rewrite``)."""
+        if self._slots_u32[self.slot * 4] != self.pid:
+            with _locked(self._fd):
+                self.slot = self._claim_slot(now)
+            if self.slot < 0:
+                raise OSError("no board slot is free")
+            return
+        self._slots_f64[self.slot * 2 + 1] = now
+
+    def owns_slot(self) -> bool:
+        return self._slots_u32[self.slot * 4] == self.pid
+
+    def write(self, column: int, outstanding: int, awaiting: int, pending: int) -> None:
+        """This process's counts for the upstream in ``column``."""
+        if not 0 <= column < UPSTREAMS:
+            return
+        at = (self.slot * UPSTREAMS + column) * _COUNTS
+        counts = self._counts
+        counts[at] = min(outstanding, MAX_COUNT)
+        counts[at + 1] = min(awaiting, MAX_COUNT)
+        counts[at + 2] = min(pending, 0xFFFFFFFF)
+
+    def write_times(self, column: int, oldest: float, answered: float) -> None:
+        """When this process's oldest request awaiting a first byte there was sent (0.0:
+        none awaits), and when its last first byte there came."""
+        if not 0 <= column < UPSTREAMS:
+            return
+        at = (self.slot * UPSTREAMS + column) * _TIMES
+        self._times[at] = oldest
+        self._times[at + 1] = answered
+
+    # --- the host -----------------------------------------------------------------------
+
+    def live_slots(self, now: float) -> list[int]:
+        """The slots whose processes have said they are alive within SLOT_STALE_S."""
+        u32, f64 = self._slots_u32, self._slots_f64
+        return [
+            slot
+            for slot in range(self._claimed())
+            if u32[slot * 4] and now - f64[slot * 2 + 1] < SLOT_STALE_S
+        ]
+
+    def host(self, columns: Sequence[int], now: float) -> HostCounts:
+        """The live processes' counts for ``columns`` (-1: an upstream not on the board, all
+        zeros), summed; the oldest send time is the earliest of theirs, the last first byte
+        the latest."""
+        n = len(columns)
+        outstanding, awaiting, pending = [0] * n, [0] * n, [0] * n
+        oldest, answered = [0.0] * n, [0.0] * n
+        counts, times = self._counts, self._times
+        for slot in self.live_slots(now):
+            base = slot * UPSTREAMS
+            for i, column in enumerate(columns):
+                if not 0 <= column < UPSTREAMS:
+                    continue
+                at = (base + column) * _COUNTS
+                o, a, p = counts[at], counts[at + 1], counts[at + 2]
+                if o >= MAX_COUNT or a >= MAX_COUNT:
+                    continue  # not a count any process wrote whole
+                outstanding[i] += o
+                awaiting[i] += a
+                pending[i] += p
+                at = (base + column) * _TIMES
+                sent, last = times[at], times[at + 1]
+                if a and sent > 0.0 and (not oldest[i] or sent < oldest[i]):
+                    oldest[i] = sent
+                answered[i] = max(answered[i], last)
+        return HostCounts(outstanding, awaiting, pending, oldest, answered)
+
+    # --- the registry -------------------------------------------------------------------
+
+    def columns(self, upstream_ids: Sequence[str], now: float) -> dict[str, int]:
+        """The column of each upstream id (registered if new; -1 where the registry has no
+        room), each marked used now."""
+        found: dict[str, int] = {}
+        missing: list[tuple[str, int]] = []
+        for uid in upstream_ids:
+            key = id_hash(uid)
+            column = self._find(key)
+            if column < 0:
+                missing.append((uid, key))
+            else:
+                found[uid] = column
+                self._registry_f64[column * 2 + 1] = now
+        if missing:
+            with _locked(self._fd):
+                for uid, key in missing:
+                    found[uid] = self._register(key, now)
+        return found
+
+    def _probe(self, key: int) -> Iterator[int]:
+        start = key % UPSTREAMS
+        for step in range(REGISTRY_PROBES):
+            yield (start + step) % UPSTREAMS
+
+    def _find(self, key: int) -> int:
+        for column in self._probe(key):
+            held = self._registry_u64[column * 2]
+            if held == key:
+                return column
+            if held == 0:
+                return -1
+        return -1
+
+    def _register(self, key: int, now: float) -> int:
+        """Under the lock: the key's column, taking an empty entry or one idle past
+        REGISTRY_IDLE_S whose counts are all zero; -1 if none is free."""
+        reusable = -1
+        for column in self._probe(key):
+            held = self._registry_u64[column * 2]
+            if held == key:
+                return column
+            if held == 0:
+                reusable = column
+                break
+            # Not "used within REGISTRY_IDLE_S": a time that is no number is idle too.
+            idle = not now - self._registry_f64[column * 2 + 1] < REGISTRY_IDLE_S
+            if reusable < 0 and idle and self._column_is_idle(column):
+                reusable = column
+        if reusable < 0:
+            return -1
+        for slot in range(SLOTS):  # what the upstream before it left
+            at = (slot * UPSTREAMS + reusable) * _COUNTS
+            self._counts[at : at + _COUNTS] = _ZERO_COUNTS[:_COUNTS]
+            at = (slot * UPSTREAMS + reusable) * _TIMES
+            self._times[at : at + _TIMES] = _ZERO_TIMES[:_TIMES]
+        self._registry_f64[reusable * 2 + 1] = now
+        self._registry_u64[reusable * 2] = key
+        return reusable
+
+    def _column_is_idle(self, column: int) -> bool:
+        for slot in range(SLOTS):
+            at = (slot * UPSTREAMS + column) * _COUNTS
+            if self._counts[at] or self._counts[at + 1]:
+                return False
+        return True
+
+    # --- homes --------------------------------------------------------------------------
+
+    def _tenths(self, now: float) -> int:
+        """``now`` in tenths of a second since the board was made (a home's time)."""
+        tenths = (now - self._epoch[0]) * 10
+        return max(0, min(0xFFFFFFFF, int(tenths))) if math.isfinite(tenths) else 0
+
+    def home(self, key: int, now: float) -> tuple[int, int] | None:
+        """The column and block count a fresh home of ``key`` names, if any."""
+        since = self._tenths(now)
+        start = key % HOMES
+        for step in range(HOME_PROBES):
+            held, column, blocks, when = _HOME.unpack_from(
+                self._homes, ((start + step) % HOMES) * _HOME.size
+            )
+            if held == key:
+                if since - when <= HOME_TTL_TENTHS and 0 <= column < UPSTREAMS:
+                    return column, blocks
+                return None
+        return None
+
+    def claim_home(self, key: int, column: int, blocks: int, now: float) -> int:
+        """Make ``column`` the home of ``key`` unless a fresh home names another: the column
+        of the home that stands (under the lock, so of two processes claiming at the same
+        instant one wins and both learn which)."""
+        since = self._tenths(now)
+        start = key % HOMES
+        with _locked(self._fd):
+            victim, victim_when = -1, 1 << 40
+            for step in range(HOME_PROBES):
+                index = (start + step) % HOMES
+                held, held_column, _, when = _HOME.unpack_from(self._homes, index * _HOME.size)
+                fresh = since - when <= HOME_TTL_TENTHS
+                if held == key:
+                    if fresh and 0 <= held_column < UPSTREAMS:
+                        return int(held_column)
+                    victim = index
+                    break
+                age = when if held and fresh else -1  # empty or stale entries go first
+                if age < victim_when:
+                    victim, victim_when = index, age
+            # The key last, so a reader that sees it sees the column written with it.
+            at = victim * _HOME.size
+            struct.pack_into("<HHI", self._homes, at + 8, column, min(blocks, 0xFFFF), since)
+            struct.pack_into("<Q", self._homes, at, key)
+        return column
+
+
+_ZERO_COUNTS = memoryview(bytes(UPSTREAMS * _COUNTS * 4)).cast("I")
+_ZERO_TIMES = memoryview(bytes(UPSTREAMS * _TIMES * 8)).cast("d")
+
+
+@contextlib.contextmanager
+def _locked(fd: int) -> Iterator[None]:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    if not 0 < pid <= MAX_PID:  # no process has it (a damaged slot's pid)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
