@@ -130,10 +130,10 @@ async def _traced_attempt(
 async def _attempt(
     ex: Exchange, upstream: Upstream, deadlines: Deadlines, trace_headers: bytes = b""
 ) -> Opened | tuple[ApiError, float | None]:
-    """One try. A retryable failure comes back as (error, seconds to wait or None);
-    ``trace_headers`` are the attempt's trace context lines, when it is traced."""
+    """One try at ``upstream``, where the choice holds the request (``Exchange.choose``). A
+    retryable failure comes back as (error, seconds to wait or None); ``trace_headers`` are the
+    attempt's trace context lines, when it is traced."""
     assert ex.body is not None
-    ex.hold(upstream)
     headers = _UPSTREAM_STREAM_HEADERS if ex.body.stream else _UPSTREAM_HEADERS
     response: UpstreamResponse | None = None
     try:

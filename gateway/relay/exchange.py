@@ -119,17 +119,29 @@ class Exchange:
         return self.usage.request_id
 
     def choose(self) -> Choice | None:
-        """The upstream for the next attempt: an untried one where any is left."""
+        """The upstream for the next attempt (an untried one where any is left), the request
+        then held there: counted as outstanding until ``drop_hold``."""
         assert self.route is not None
         if not self.keyed and len(self.route.upstreams) > 1:
             self._key_prompt()
         blocks, affinity = self.blocks, self.affinity
-        choice = upstreams.choose(
-            self.route, self.tried, blocks=blocks, affinity=affinity
-        ) or upstreams.choose(self.route, blocks=blocks, affinity=affinity)
-        if choice is not None:
-            self.predicted = choice.predicted
-            metrics.observe_route(self.route.name, choice.outcome)
+        key = affinity if affinity is not None else blocks.lead
+        self.drop_hold()
+        taken = upstreams.take(
+            self.route, self.tried, blocks=blocks, affinity=affinity, key=key
+        ) or upstreams.take(self.route, blocks=blocks, affinity=affinity, key=key)
+        if taken is None:
+            return None
+        choice, self.holding = taken
+        self.predicted = choice.predicted
+        metrics.observe_route(self.route.name, choice.outcome)
+        upstream = choice.upstream
+        self.served_by = upstream
+        self.usage.upstream = upstream.id
+        if not self.started:
+            self.started = True
+            if settings.LLMGW_USAGE_ACCOUNTING:
+                recorder.start(self.usage)
         return choice
 
     def _key_prompt(self) -> None:
@@ -149,21 +161,6 @@ class Exchange:
             int(settings.LLMGW_ROUTING_MAX_BLOCKS),
         )
         self.affinity = affinity_of(self.body.data, self.session)
-
-    def hold(self, upstream: Upstream) -> None:
-        self.drop_hold()
-        # What its engine will prefill: the prompt less what the choice expected cached there
-        # (an estimate in written-out bytes; 0 for a request without a prompt).
-        blocks = self.blocks
-        prefill = max(0, blocks.size - self.predicted * blocks.block_bytes)
-        key = self.affinity if self.affinity is not None else blocks.lead
-        self.holding = upstreams.acquire(upstream, prefill, key)
-        self.served_by = upstream
-        self.usage.upstream = upstream.id
-        if not self.started:
-            self.started = True
-            if settings.LLMGW_USAGE_ACCOUNTING:
-                recorder.start(self.usage)
 
     def drop_hold(self) -> None:
         if self.holding is not None:

@@ -120,6 +120,21 @@ class Board:
         self._epoch = view[_EPOCH_AT:SIZE].cast("d")
         self.slot = slot
         self.pid = pid
+        self._depth = 0  # how deep this process is in the board's lock
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the board's lock (``flock``; another process waits, never long): re-entrant in
+        this process, so a choice made under it may claim a home under it too."""
+        if self._depth == 0:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     # --- opening ------------------------------------------------------------------------
 
@@ -214,7 +229,7 @@ class Board:
         """Say this process is alive; take a slot again if another process took ours while
         this one was silent (its counts are written again by the caller, ``rewrite``)."""
         if self._slots_u32[self.slot * 4] != self.pid:
-            with _locked(self._fd):
+            with self.locked():
                 self.slot = self._claim_slot(now)
             if self.slot < 0:
                 raise OSError("no board slot is free")
@@ -297,7 +312,7 @@ class Board:
                 found[uid] = column
                 self._registry_f64[column * 2 + 1] = now
         if missing:
-            with _locked(self._fd):
+            with self.locked():
                 for uid, key in missing:
                     found[uid] = self._register(key, now)
         return found
@@ -376,7 +391,7 @@ class Board:
         instant one wins and both learn which)."""
         since = self._tenths(now)
         start = key % HOMES
-        with _locked(self._fd):
+        with self.locked():
             victim, victim_when = -1, 1 << 40
             for step in range(HOME_PROBES):
                 index = (start + step) % HOMES

@@ -34,10 +34,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 from gateway.routing.board import Board
 
 logger = logging.getLogger(__name__)
+
+K = TypeVar("K", str, int)
 
 # Each first byte's sample weighs this much against what was learned before it.
 RATE_DECAY = 0.98
@@ -313,7 +316,7 @@ class Loads:
         return left / rate, left
 
 
-def _decrement(counts: dict[str, int], key: str, by: int) -> None:
+def _decrement(counts: dict[K, int], key: K, by: int) -> None:
     left = counts.get(key, 0) - by
     if left <= 0:
         counts.pop(key, None)

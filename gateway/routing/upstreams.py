@@ -322,6 +322,52 @@ class Upstreams:
                 self.peers.tell(choice.upstream.id, blocks.keys)
         return choice
 
+    def take(
+        self,
+        route: Route,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        *,
+        blocks: prefix.PromptBlocks = prefix.NO_BLOCKS,
+        affinity: int | None = None,
+        key: int | None = None,
+    ) -> tuple[Choice, Hold] | None:
+        """Choose the upstream for one attempt and hold the request there (``acquire``) in one
+        step. A prompt nobody on this host is known to hold is placed under the board's lock
+        (``gateway.routing.board``): the host's loads read, the choice made and its prefill
+        counted there before any other process of the host reads them, so two processes
+        placing new prompts at the same instant do not both take the upstream that looked
+        least loaded to each."""
+        board = self.loads.board
+        if board is not None and self._new_to_host(route, blocks, affinity):
+            with board.locked():
+                return self._take(route, exclude, blocks, affinity, key)
+        return self._take(route, exclude, blocks, affinity, key)
+
+    def _take(
+        self,
+        route: Route,
+        exclude: set[str] | frozenset[str],
+        blocks: prefix.PromptBlocks,
+        affinity: int | None,
+        key: int | None,
+    ) -> tuple[Choice, Hold] | None:
+        choice = self.choose(route, exclude, blocks=blocks, affinity=affinity)
+        if choice is None:
+            return None
+        # What its engine will prefill: the prompt less what the choice expected cached there
+        # (an estimate in written-out bytes; 0 for a request without a prompt).
+        prefill = max(0, blocks.size - choice.predicted * blocks.block_bytes)
+        return choice, self.acquire(choice.upstream, prefill, key)
+
+    def _new_to_host(self, route: Route, blocks: prefix.PromptBlocks, affinity: int | None) -> bool:
+        """Would the choice place a prompt nobody is known to hold (its first block in no
+        mirror of the route's upstreams)?"""
+        lead = blocks.lead
+        if lead is None or affinity is not None or not self._cache_aware():
+            return False
+        mirrors = self.mirrors.by_upstream
+        return not any(lead in m for u in route.upstreams if (m := mirrors.get(u.id)) is not None)
+
     def _home_of(self, lead: int, keys: int, now: float) -> dict[str, int] | None:
         """Where another process of this host placed the prefix led by ``lead`` moments ago
         (its home on the board): it has not told this one yet, and placing it a second time

@@ -167,6 +167,52 @@ def test_two_web_processes_send_one_prefixs_requests_to_one_replica(fleet: Fleet
     assert hits >= 11 * 1400
 
 
+def test_a_burst_of_new_prefixes_through_a_hosts_two_processes_computes_each_once(
+    fleet: Fleet,
+) -> None:
+    """New system prompts, each asked twice through each of the two web processes of one host,
+    all at the same instant: each process places prefixes the other may be placing in the same
+    microsecond. The engines' own counters say each prompt was computed once: what they did
+    not find cached is the prompts and the questions, not more. Three rounds of eight."""
+    for burst in range(3):
+        systems = [text(1000 * burst + 400 + n, 1500) for n in range(8)]
+        calls = [(web, s) for s in systems for web in (0, 2, 0, 2)]
+        start = threading.Barrier(len(calls))
+        errors: list[BaseException] = []
+
+        def one(
+            web: int, system: str, i: int, start: threading.Barrier, errors: list[BaseException]
+        ) -> None:
+            try:
+                start.wait()
+                fleet.ask(web, system, f"Burst question {i}: {text(500 + i, 20)}")
+            except BaseException as error:
+                errors.append(error)
+
+        before = [sim_metrics(sim) for sim in fleet.sims]
+        threads = [
+            threading.Thread(target=one, args=(w, s, i, start, errors))
+            for i, (w, s) in enumerate(calls)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        after = [sim_metrics(sim) for sim in fleet.sims]
+        computed = sum(_uncached(a) - _uncached(b) for a, b in zip(after, before, strict=True))
+        # Each question (twenty-odd words, the template's markers, the tail of the last block)
+        # is well under a hundred tokens: a prompt computed twice is 1,500 more.
+        assert computed < len(systems) * 1500 + len(calls) * 100, (burst, computed)
+
+
+def _uncached(metrics: dict[str, float]) -> float:
+    """Prompt tokens an engine looked up in its prefix cache and did not find."""
+    return metrics.get("vllm:prefix_cache_queries_total", 0.0) - metrics.get(
+        "vllm:prefix_cache_hits_total", 0.0
+    )
+
+
 def test_a_session_sticks_to_one_replica_whatever_its_prompts(fleet: Fleet) -> None:
     for session in ("session-one", "session-two"):
         before = fleet.served()
