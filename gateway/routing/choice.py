@@ -8,16 +8,19 @@ The order of preference:
 1. **affinity** -- a client that names a session (``prompt_cache_key``, ``user``, an
    ``x-session-id`` header) keeps its requests on one upstream: the first of the candidates
    ranked by rendezvous hashing of the session's key;
-2. **cached** -- else the upstream predicted to hold the longest prefix of the prompt (among
-   equals the less loaded);
-3. **cold** -- else, for a prompt nobody is known to hold, where it would start soonest: the
-   upstreams with the least prefill queued ahead of it (``gateway.routing.loads``: a new
-   prompt's prefill waits behind the others', one at a time), of those the ones within a slack
-   of the fewest outstanding, and of those the first of the candidates ranked by rendezvous
-   hashing of its first block: every web process ranks them alike without talking to the
-   others, so where their loads look alike (an idle fleet, processes on different hosts
-   sending one conversation's turns one after the other) the requests that share a prefix
-   gather on one upstream from the first one on, whichever process takes each;
+2. **cached** -- else, where the prompt's prefix is predicted cached for at least
+   ``CACHE_WORTH`` of it, the upstream predicted to hold the longest prefix (among equals the
+   less loaded);
+3. **cold** -- else (nobody is known to hold it, or only a small part of it, say a short
+   preamble that many different prompts open with), where its first token would come soonest:
+   the upstreams where the prefill queued ahead of it plus its own uncached part would take
+   least (``gateway.routing.loads``: a prompt's prefill waits behind the others', one at a
+   time), of those the ones within a slack of the fewest outstanding, and of those the first of
+   the candidates ranked by rendezvous hashing of its first block: every web process ranks them
+   alike without talking to the others, so where their loads look alike (an idle fleet,
+   processes on different hosts sending one conversation's turns one after the other) the
+   requests that share a prefix gather on one upstream from the first one on, whichever
+   process takes each;
 4. **least loaded** -- a request without a prompt block (embeddings, rerank, a prompt shorter
    than one block) goes where the fewest requests are outstanding.
 
@@ -50,6 +53,11 @@ COLD = "cold"
 SPILLED = "spilled"
 LEAST_LOADED = "least_loaded"
 OUTCOMES = (AFFINITY, CACHED, COLD, SPILLED, LEAST_LOADED)
+# A prefix predicted cached for at least this share of the prompt keeps it where it is cached
+# (bounded by load); a smaller one (a preamble many prompts share) is worth its prefill time
+# saved and no more, weighed against the queues: piled onto one upstream for it, the prompts
+# behind wait longer than the prefill it saves.
+CACHE_WORTH = 0.5
 
 _MASK = (1 << 64) - 1
 
@@ -75,6 +83,7 @@ class Placement:
     # Its prefix (or session) is more of what is in flight than one upstream's fair share
     # (``gateway.routing.loads``): it is spread at the mean, not kept where it is cached.
     hot: bool = False
+    share: float = 1.0  # of the prompt's bytes, the longest predicted prefix's share
 
 
 @dataclass(frozen=True)
@@ -143,11 +152,11 @@ def choose_cached(
     bounds: Bounds,
     exclude: Iterable[str] = (),
     offset: int = 0,
-    waits: Mapping[str, float] | None = None,
+    starts: Mapping[str, float] | None = None,
 ) -> Choice | None:
     """The upstream for one request (module docstring), or None when there is no candidate.
-    ``waits``: how long a new prompt would wait at each upstream for the prefill queued ahead
-    of it (all alike where not given).
+    ``starts``: how long the prompt's first token would take at each upstream, the prefill
+    queued ahead of it and its own uncached part (all alike where not given).
 
     Ejected upstreams are skipped while any other remains (then all are candidates: one that
     may have recovered beats a certain error); ``exclude`` holds the ones already tried.
@@ -159,9 +168,10 @@ def choose_cached(
     healthy = [u for u in candidates if ejected_until.get(u.id, 0.0) <= now]
     pool = healthy or candidates
     matches = placement.matches
+    held = any(matches.get(u.id, 0) for u in pool)
     if placement.affinity is not None:
         order, outcome = rendezvous(placement.affinity, pool), AFFINITY
-    elif any(matches.get(u.id, 0) for u in pool):
+    elif held and placement.share >= CACHE_WORTH:
         # The longest prefix first, the less loaded among equals; the table's own order (by
         # id, the same in every process) breaks what is left.
         order = sorted(pool, key=lambda u: (-matches.get(u.id, 0), outstanding.get(u.id, 0)))
@@ -173,23 +183,26 @@ def choose_cached(
         assert least is not None
         return Choice(least, LEAST_LOADED, 0)
     if outcome == COLD:
-        # Nothing is cached to lose, so load decides. A new prompt waits first behind the
-        # prefill queued where it goes (one at a time), so among the upstreams where it would
-        # wait least, and of those within ``cold_slack`` of the fewest outstanding (what it
-        # would decode beside), the first in the rendezvous order. Processes that see alike
-        # loads (an idle fleet) agree without talking; the host's processes share one view of
-        # the loads, and where one places the prefix the others follow (its home on the
-        # board, then the placement itself in their mirrors), so the next request of the
-        # prefix finds it cached.
-        queued = waits or {}
-        shortest = min(queued.get(u.id, 0.0) for u in pool)
-        level = [u for u in pool if queued.get(u.id, 0.0) <= shortest]
+        # Little or nothing is cached to lose, so load decides. A prompt waits first behind
+        # the prefill queued where it goes (one at a time), then for its own uncached part, so
+        # among the upstreams where its first token would come soonest, and of those within
+        # ``cold_slack`` of the fewest outstanding (what it would decode beside), the first in
+        # the rendezvous order. Processes that see alike loads (an idle fleet) agree without
+        # talking; the host's processes share one view of the loads, and where one places a
+        # new prefix the others follow (its home on the board, then the placement itself in
+        # their mirrors), so the next request of the prefix finds it cached.
+        soon = starts or {}
+        soonest = min(soon.get(u.id, 0.0) for u in pool)
+        level = [u for u in pool if soon.get(u.id, 0.0) <= soonest]
         fewest = min(outstanding.get(u.id, 0) for u in level)
         for rank, upstream in enumerate(order):
-            if queued.get(upstream.id, 0.0) <= shortest and (
+            if soon.get(upstream.id, 0.0) <= soonest and (
                 outstanding.get(upstream.id, 0) <= fewest + bounds.cold_slack
             ):
-                return Choice(upstream, COLD if rank == 0 else SPILLED, 0, placed=True)
+                predicted = matches.get(upstream.id, 0)
+                if predicted:
+                    return Choice(upstream, CACHED, predicted)
+                return Choice(upstream, COLD if rank == 0 else SPILLED, 0, placed=not held)
     total = sum(outstanding.get(u.id, 0) for u in pool)
     weight = sum(u.weight for u in pool)
     slack = bounds.hot_slack if placement.hot else bounds.slack

@@ -193,7 +193,9 @@ class Loads:
             self.awaiting.get(uid, 0),
             self.pending.get(uid, 0),
         )
-        board.write_times(column, self._oldest(uid), self._answered_at.get(uid, 0.0))
+        queued = self._queued.get(uid)
+        oldest = next(iter(queued)).sent if queued else 0.0
+        board.write_times(column, oldest, self._answered_at.get(uid, 0.0))
 
     # --- one request --------------------------------------------------------------------
 
@@ -266,54 +268,83 @@ class Loads:
         return sum(known) / len(known) if known else None
 
     def host(
-        self, upstream_ids: Sequence[str], now: float
+        self,
+        upstream_ids: Sequence[str],
+        now: float,
+        size: int = 0,
+        cached: Mapping[str, int] | None = None,
     ) -> tuple[Mapping[str, int], dict[str, float]]:
-        """Each upstream's outstanding requests, and how long a new prompt would wait there
-        for the prefill queued ahead of it (seconds): the host's where the board is shared,
-        else this process's."""
+        """Each upstream's outstanding requests, and how long a prompt of ``size`` bytes, of
+        which ``cached`` bytes are predicted cached there, would take to its first token: the
+        prefill queued ahead of it and its own uncached part (seconds). The host's where the
+        board is shared, else this process's."""
         board = self.board
+        held = cached or {}
         if board is None:
-            waits = {uid: self._own_wait(uid, now)[0] for uid in upstream_ids}
-            return self.outstanding, waits
+            starts = {
+                uid: self._start(
+                    uid,
+                    self.pending.get(uid, 0),
+                    self._started(uid),
+                    now=now,
+                    size=size,
+                    cached=held,
+                )
+                for uid in upstream_ids
+            }
+            return self.outstanding, starts
         columns = [self._columns.get(uid, -1) for uid in upstream_ids]
         counts = board.host(columns, now)
         host_outstanding: dict[str, int] = {}
-        host_waits: dict[str, float] = {}
+        host_starts: dict[str, float] = {}
         for i, uid in enumerate(upstream_ids):
             if columns[i] < 0:  # not on the board: this process's own
                 host_outstanding[uid] = self.outstanding.get(uid, 0)
-                host_waits[uid] = self._own_wait(uid, now)[0]
+                pending, started = self.pending.get(uid, 0), self._started(uid)
             else:
                 host_outstanding[uid] = counts.outstanding[i]
-                started = max(counts.oldest[i], counts.answered[i])
-                host_waits[uid] = self._wait(uid, counts.pending[i], started, now)[0]
-        return host_outstanding, host_waits
+                pending, started = counts.pending[i], max(counts.oldest[i], counts.answered[i])
+            host_starts[uid] = self._start(uid, pending, started, now=now, size=size, cached=held)
+        return host_outstanding, host_starts
+
+    def _start(
+        self,
+        uid: str,
+        pending: int,
+        started: float,
+        *,
+        now: float,
+        size: int,
+        cached: Mapping[str, int],
+    ) -> float:
+        rate = self.rate(uid) or DEFAULT_PREFILL_RATE
+        own = max(0, size - cached.get(uid, 0))
+        return (self._left(pending, started, now, rate) + own) / rate
 
     def _backlog(self, uid: str, now: float) -> float:
         """The prompt bytes still to prefill ahead of a request sent to ``uid`` now."""
+        rate = self.rate(uid) or DEFAULT_PREFILL_RATE
         board, column = self.board, self._columns.get(uid, -1)
         if board is None or column < 0:
-            return self._own_wait(uid, now)[1]
+            return self._left(self.pending.get(uid, 0), self._started(uid), now, rate)
         counts = board.host([column], now)
         started = max(counts.oldest[0], counts.answered[0])
-        return self._wait(uid, counts.pending[0], started, now)[1]
+        return self._left(counts.pending[0], started, now, rate)
 
-    def _oldest(self, uid: str) -> float:
+    def _started(self, uid: str) -> float:
+        """When ``uid``'s engine began on the oldest prefill this process has queued there:
+        when that was sent, or when the one before it ended (a first byte), if later."""
         queued = self._queued.get(uid)
-        return next(iter(queued)).sent if queued else 0.0
+        oldest = next(iter(queued)).sent if queued else 0.0
+        return max(oldest, self._answered_at.get(uid, 0.0))
 
-    def _own_wait(self, uid: str, now: float) -> tuple[float, float]:
-        started = max(self._oldest(uid), self._answered_at.get(uid, 0.0))
-        return self._wait(uid, self.pending.get(uid, 0), started, now)
-
-    def _wait(self, uid: str, pending: int, started: float, now: float) -> tuple[float, float]:
-        """The seconds and bytes of prefill still ahead: what is queued, less what the engine
-        has done of it since it began on the oldest of it (``started``)."""
-        rate = self.rate(uid) or DEFAULT_PREFILL_RATE
-        left = float(pending)
-        if pending and started:
-            left = max(0.0, left - rate * (now - started))
-        return left / rate, left
+    @staticmethod
+    def _left(pending: int, started: float, now: float, rate: float) -> float:
+        """The bytes of prefill still ahead: what is queued, less what the engine has done of
+        it since it began on the oldest of it (``started``), at ``rate`` bytes a second."""
+        if not pending or not started:
+            return float(pending)
+        return max(0.0, pending - rate * (now - started))
 
 
 def _decrement(counts: dict[K, int], key: K, by: int) -> None:

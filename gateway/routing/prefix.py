@@ -45,6 +45,10 @@ class PromptBlocks:
     size: int  # bytes in the written-out prompt (full blocks and the tail)
     block_bytes: int
 
+    def bytes_through(self, count: int) -> int:
+        """How many bytes of the written-out prompt its first ``count`` blocks cover."""
+        return min(count, len(self.keys)) * self.block_bytes
+
     @property
     def lead(self) -> int | None:
         """The key processes agree on for a prefix none of them has seen: its first block."""

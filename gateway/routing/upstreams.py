@@ -295,17 +295,21 @@ class Upstreams:
         # Hotter than one upstream's fair share: no one upstream can serve it, spread it.
         hot = key is not None and self.loads.hot(key, len(route.upstreams))
         ids = _ids(route)
-        outstanding, waits = self.loads.host(ids, now)
         matches = self.mirrors.matches(ids, blocks.keys)
         if lead is not None and affinity is None and not any(matches.values()):
             matches = self._home_of(lead, len(blocks.keys), now) or matches
+        # What is predicted cached where, in bytes of the prompt: its share, and what its
+        # prefill would leave to compute at each upstream.
+        cached = {uid: blocks.bytes_through(n) for uid, n in matches.items() if n}
+        share = max(cached.values(), default=0) / blocks.size if blocks.size else 0.0
+        outstanding, starts = self.loads.host(ids, now, blocks.size, cached)
         choice = choose_cached(
             route.upstreams,
             outstanding,
             self.ejected_until,
             now,
-            waits=waits,
-            placement=Placement(lead, affinity, matches, hot),
+            starts=starts,
+            placement=Placement(lead, affinity, matches, hot, share),
             bounds=_bounds(
                 settings.LLMGW_ROUTING_LOAD_FACTOR,
                 settings.LLMGW_ROUTING_LOAD_SLACK,
@@ -356,7 +360,7 @@ class Upstreams:
             return None
         # What its engine will prefill: the prompt less what the choice expected cached there
         # (an estimate in written-out bytes; 0 for a request without a prompt).
-        prefill = max(0, blocks.size - choice.predicted * blocks.block_bytes)
+        prefill = max(0, blocks.size - blocks.bytes_through(choice.predicted))
         return choice, self.acquire(choice.upstream, prefill, key)
 
     def _new_to_host(self, route: Route, blocks: prefix.PromptBlocks, affinity: int | None) -> bool:

@@ -220,17 +220,18 @@ def pick(
     exclude: tuple[str, ...] = (),
     hot: bool = False,
     bounds: Bounds = BOUNDS,
-    waits: dict[str, float] | None = None,
+    starts: dict[str, float] | None = None,
+    share: float = 1.0,
 ) -> tuple[str, str, int]:
     choice = choose_cached(
         FOUR,
         outstanding or {},
         ejected or {},
         0.0,
-        placement=Placement(lead, affinity, matches or {}, hot),
+        placement=Placement(lead, affinity, matches or {}, hot, share),
         bounds=bounds,
         exclude=exclude,
-        waits=waits,
+        starts=starts,
     )
     assert choice is not None
     return choice.upstream.id, choice.outcome, choice.predicted
@@ -289,19 +290,36 @@ def test_a_cold_prefix_takes_its_order_among_those_within_the_cold_slack_of_the_
     assert pick(outstanding, lead=lead) == (order[2], SPILLED, 0)
 
 
-def test_a_cold_prefix_goes_where_its_prefill_would_wait_least() -> None:
+def test_a_cold_prefix_goes_where_its_first_token_would_come_soonest() -> None:
     """A new prompt waits behind the prefill queued where it goes, not behind what decodes:
-    the shortest wait first, outstanding within the slack among those."""
+    the soonest first token first, outstanding within the slack among those."""
     lead = 12345
     order = [u.id for u in rendezvous(lead, FOUR)]
     outstanding = {order[0]: 1, order[1]: 1, order[2]: 9, order[3]: 12}
-    waits = {order[0]: 0.02, order[1]: 0.3, order[2]: 0.0, order[3]: 0.0}
-    assert pick(outstanding, lead=lead, waits=waits) == (order[2], SPILLED, 0)
+    starts = {order[0]: 0.12, order[1]: 0.4, order[2]: 0.1, order[3]: 0.1}
+    assert pick(outstanding, lead=lead, starts=starts) == (order[2], SPILLED, 0)
     # Equal queues: its own order, within the slack of the least outstanding.
-    assert pick(outstanding, lead=lead, waits={})[:2] == (order[0], COLD)
-    # The shortest wait wins however little shorter: the queue's end is where it starts.
-    waits = {order[0]: 0.011, order[1]: 0.010, order[2]: 0.5, order[3]: 0.2}
-    assert pick({}, lead=lead, waits=waits) == (order[1], SPILLED, 0)
+    assert pick(outstanding, lead=lead, starts={})[:2] == (order[0], COLD)
+    # The soonest wins however little sooner: the queue's end is where it starts.
+    starts = {order[0]: 0.111, order[1]: 0.110, order[2]: 0.5, order[3]: 0.2}
+    assert pick({}, lead=lead, starts=starts) == (order[1], SPILLED, 0)
+
+
+def test_a_small_shared_part_is_weighed_against_the_queues_not_followed() -> None:
+    """Prompts that open with one short preamble and go on apart (a document each) are
+    predicted cached for that preamble where the first went: a small share of each. Piled
+    there for it, they would wait behind each other longer than the preamble saves, so they
+    go where their first token comes soonest, the preamble's time saved counted."""
+    lead = 12345
+    order = [u.id for u in rendezvous(lead, FOUR)]
+    matches = {order[3]: 1}
+    busy = {order[0]: 0.3, order[1]: 0.3, order[2]: 0.3, order[3]: 0.5}
+    assert pick({}, lead=lead, matches=matches, share=0.08, starts=busy)[:2] == (order[0], COLD)
+    # Where it saves the most, it goes there: its predicted blocks said.
+    level = {order[0]: 0.3, order[1]: 0.3, order[2]: 0.3, order[3]: 0.28}
+    assert pick({}, lead=lead, matches=matches, share=0.08, starts=level) == (order[3], CACHED, 1)
+    # Half the prompt or more cached: kept there, whatever the queues say (within the bound).
+    assert pick({}, lead=lead, matches=matches, share=0.6, starts=busy) == (order[3], CACHED, 1)
 
 
 def test_a_choice_says_when_it_placed_a_prefix_nobody_held() -> None:
