@@ -428,7 +428,8 @@ LLMGW_ROUTING_REFRESH: float = _read(env_float, "LLMGW_ROUTING_REFRESH", 1.0, mi
 LLMGW_ROUTING_POLICY: str = _read(
     env_choice, "LLMGW_ROUTING_POLICY", "cache_aware", ("cache_aware", "least_outstanding")
 )
-# A prompt is keyed in blocks of this many bytes (about 256 tokens of text), at most this many.
+# A prompt is keyed in blocks that grow from 256 bytes to this many (about 256 tokens of text),
+# at most this many blocks (gateway.routing.prefix).
 LLMGW_ROUTING_BLOCK_BYTES: int = _read(env_int, "LLMGW_ROUTING_BLOCK_BYTES", 1024, minimum=64)
 LLMGW_ROUTING_MAX_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MAX_BLOCKS", 512, minimum=1)
 # An upstream keeps a cached prefix's or a session's requests while its outstanding requests
@@ -437,15 +438,19 @@ LLMGW_ROUTING_MAX_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MAX_BLOCKS", 512, 
 LLMGW_ROUTING_LOAD_FACTOR: float = _read(env_float, "LLMGW_ROUTING_LOAD_FACTOR", 1.25, minimum=1.0)
 LLMGW_ROUTING_LOAD_SLACK: int = _read(env_int, "LLMGW_ROUTING_LOAD_SLACK", 32, minimum=1)
 # A prefix nobody holds goes to the first upstream in its agreed (rendezvous) order among those
-# with the fewest requests awaiting a first byte and at most this many more outstanding
+# where its first token would come soonest and with at most this many more outstanding
 # requests than the least loaded of them.
 LLMGW_ROUTING_COLD_SLACK: int = _read(env_int, "LLMGW_ROUTING_COLD_SLACK", 1, minimum=0)
-# The web processes of one host tell each other where they routed each prompt
-# (gateway.routing.peers), so a conversation's next turn finds its history whichever takes it.
+# The web processes of one host share their loads and new prefixes' homes (gateway.routing.board)
+# and tell each other where they routed each prompt (gateway.routing.peers), so a burst through
+# them places each prefix once and a conversation's next turn finds its history whichever takes
+# it.
 LLMGW_ROUTING_SHARE: bool = _read(env_bool, "LLMGW_ROUTING_SHARE", True)
-# Blocks remembered per upstream whose cache size is not known (engines that report theirs are
-# remembered up to it): 8,192 blocks are 8 MiB of prompt text, about two million tokens.
-LLMGW_ROUTING_MIRROR_BLOCKS: int = _read(env_int, "LLMGW_ROUTING_MIRROR_BLOCKS", 8192, minimum=32)
+# Bytes of prompt remembered per upstream whose cache size is not known (engines that report
+# theirs are remembered up to it): 8 MiB of prompt text is about two million tokens.
+LLMGW_ROUTING_MIRROR_BYTES: int = _read(
+    env_int, "LLMGW_ROUTING_MIRROR_BYTES", 8 * 1024 * 1024, minimum=32 * 1024
+)
 # An upstream that failed (connect error, 5xx before the first byte) gets no traffic this long.
 LLMGW_EJECT_SECONDS: float = _read(env_float, "LLMGW_EJECT_SECONDS", 10.0)
 # Further attempts before the first byte, on another upstream where there is one.

@@ -20,12 +20,12 @@ owner-only as the folder is), mapped shared by each web process. It holds:
 - **the registry**: each upstream id (a 64-bit hash of it) and the column of every slot that
   counts it, so the processes count one upstream in one place. An entry no process has used for
   ``REGISTRY_IDLE_S`` may be given to another upstream.
-- **homes**: where this host first placed each new prefix (its first block's key,
+- **homes**: where this host first placed each new prefix (its first blocks' keys,
   ``gateway.routing.prefix``) and when. A request of that prefix through another process, which
   has not yet heard of the placement (``gateway.routing.peers``), goes to the same upstream
-  instead of placing the prefix a second time. A home is claimed under the board's lock
-  (``flock``), so two processes placing one new prefix at the same instant agree on one
-  upstream; it is trusted for ``HOME_TTL_S``.
+  instead of placing the prefix a second time, as far as the two prompts' blocks agree. A home
+  is claimed under the board's lock (``flock``), so two processes placing one new prefix at the
+  same instant agree on one upstream; it is trusted for ``HOME_TTL_S``.
 
 Clock: ``time.monotonic()``, which on Linux is the host's, the same in every process.
 
@@ -58,6 +58,7 @@ SLOTS = 64  # web processes of one host, at most
 UPSTREAMS = 512  # upstreams the host routes to at once, at most
 HOMES = 16_384  # new prefixes remembered (a probe window each; the oldest make room)
 HOME_PROBES = 4
+HOME_KEYS = 16  # a placement's first blocks given a home (a prompt's first 48 KiB or so)
 REGISTRY_PROBES = 16
 SLOT_STALE_S = 5.0  # a slot not heartbeaten for this long counts for nothing
 HOME_TTL_S = 60.0
@@ -73,8 +74,8 @@ _SLOT = 16  # pid (u32), unused (u32), heartbeat (f64)
 _ENTRY = 16  # registry: id hash (u64), last used (f64)
 _COUNTS = 4  # u32s per (slot, upstream): outstanding, awaiting, pending bytes, unused
 _TIMES = 2  # f64s per (slot, upstream): the oldest awaiting request's send, the last first byte
-# A home: the prefix's key, its column, its blocks, when (tenths of a second from the epoch).
-_HOME = struct.Struct("<QHHI")
+# A home: a prompt block's key, its column, when (tenths of a second from the epoch).
+_HOME = struct.Struct("<QH2xI")
 _CLAIMED_AT = 20  # in the header: how many slots were ever claimed
 
 _SLOTS_AT = _HEADER_SIZE
@@ -371,45 +372,66 @@ class Board:
         tenths = (now - self._epoch[0]) * 10
         return max(0, min(0xFFFFFFFF, int(tenths))) if math.isfinite(tenths) else 0
 
-    def home(self, key: int, now: float) -> tuple[int, int] | None:
-        """The column and block count a fresh home of ``key`` names, if any."""
+    def home(self, keys: Sequence[int], now: float) -> tuple[int, int] | None:
+        """Where a fresh home says the prompt of ``keys`` was placed: its column and how many
+        of the leading keys were placed there, if its first key has one."""
         since = self._tenths(now)
+        found = self._fresh(keys[0], since) if keys else None
+        if found is None:
+            return None
+        column = found[1]
+        depth = 1
+        for key in keys[1:HOME_KEYS]:
+            held = self._fresh(key, since)
+            if held is None or held[1] != column:
+                break
+            depth += 1
+        return column, depth
+
+    def claim_home(self, keys: Sequence[int], column: int, now: float) -> int:
+        """Make ``column`` the home of the prompt of ``keys`` (its first ``HOME_KEYS``) unless a
+        fresh home of its first key names another: the column of the home that stands (under
+        the lock, so of two processes claiming at the same instant one wins and both learn
+        which)."""
+        since = self._tenths(now)
+        with self.locked():
+            found = self._fresh(keys[0], since)
+            if found is not None:
+                return found[1]
+            for key in keys[:HOME_KEYS]:
+                self._write_home(key, column, since)
+        return column
+
+    def _fresh(self, key: int, since: int) -> tuple[int, int] | None:
+        """The entry index and column of ``key``'s fresh home, if it has one."""
         start = key % HOMES
         for step in range(HOME_PROBES):
-            held, column, blocks, when = _HOME.unpack_from(
-                self._homes, ((start + step) % HOMES) * _HOME.size
-            )
+            index = (start + step) % HOMES
+            held, column, when = _HOME.unpack_from(self._homes, index * _HOME.size)
             if held == key:
                 if since - when <= HOME_TTL_TENTHS and 0 <= column < UPSTREAMS:
-                    return column, blocks
+                    return index, column
                 return None
         return None
 
-    def claim_home(self, key: int, column: int, blocks: int, now: float) -> int:
-        """Make ``column`` the home of ``key`` unless a fresh home names another: the column
-        of the home that stands (under the lock, so of two processes claiming at the same
-        instant one wins and both learn which)."""
-        since = self._tenths(now)
+    def _write_home(self, key: int, column: int, since: int) -> None:
+        """Under the lock: ``key``'s home is ``column`` from ``since``, in its own entry or the
+        probe window's emptiest or oldest."""
         start = key % HOMES
-        with self.locked():
-            victim, victim_when = -1, 1 << 40
-            for step in range(HOME_PROBES):
-                index = (start + step) % HOMES
-                held, held_column, _, when = _HOME.unpack_from(self._homes, index * _HOME.size)
-                fresh = since - when <= HOME_TTL_TENTHS
-                if held == key:
-                    if fresh and 0 <= held_column < UPSTREAMS:
-                        return int(held_column)
-                    victim = index
-                    break
-                age = when if held and fresh else -1  # empty or stale entries go first
-                if age < victim_when:
-                    victim, victim_when = index, age
-            # The key last, so a reader that sees it sees the column written with it.
-            at = victim * _HOME.size
-            struct.pack_into("<HHI", self._homes, at + 8, column, min(blocks, 0xFFFF), since)
-            struct.pack_into("<Q", self._homes, at, key)
-        return column
+        victim, victim_when = start, 1 << 40
+        for step in range(HOME_PROBES):
+            index = (start + step) % HOMES
+            held, _, when = _HOME.unpack_from(self._homes, index * _HOME.size)
+            if held == key:
+                victim = index
+                break
+            age = when if held and since - when <= HOME_TTL_TENTHS else -1  # free ones first
+            if age < victim_when:
+                victim, victim_when = index, age
+        # The key last, so a reader that sees it sees the column written with it.
+        at = victim * _HOME.size
+        struct.pack_into("<H2xI", self._homes, at + 8, column, since)
+        struct.pack_into("<Q", self._homes, at, key)
 
 
 _ZERO_COUNTS = memoryview(bytes(UPSTREAMS * _COUNTS * 4)).cast("I")

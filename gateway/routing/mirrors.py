@@ -10,9 +10,10 @@ already dropped: its capacity was too large (other processes fill the engine's c
 mirror's honest capacity is this process's share of it) and it shrinks, dropping its oldest
 blocks. An engine that had more than the mirror predicted grows it again, never past the
 upstream's cache size (``ceiling``), so what a process remembers per upstream is bounded by
-what that upstream can hold. Engines tell their cache's size in tokens and a mirror counts
-blocks of bytes, so each process also learns how many bytes of written-out prompt a token is
-(``TokenBytes``) from the prompt tokens engines count in their usage. A replica that restarted
+what that upstream can hold. A mirror counts what it holds in bytes of written-out prompt (its
+blocks' sizes: they grow along a prompt, ``gateway.routing.prefix``) and engines tell their
+cache's size in tokens, so each process also learns how many bytes of written-out prompt a token
+is (``TokenBytes``) from the prompt tokens engines count in their usage. A replica that restarted
 (a new generation), drained or left is forgotten whole (``Mirrors.retain``).
 
 Blocks are added tail first, so the head of a prompt is the most recently used and a prefix
@@ -22,12 +23,14 @@ loses its tail before its head, the order in which vLLM frees a finished request
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-# A mirror never shrinks below this many blocks (or its upstream's whole cache, where that is
+from gateway.routing.prefix import block_ends
+
+# A mirror never shrinks below this many bytes (or its upstream's whole cache, where that is
 # smaller): one contradicted guess must not make a process forget everything it knew.
-FLOOR_BLOCKS = 32
+FLOOR_BYTES = 32 * 1024
 # A contradicted prediction keeps this share of the capacity (multiplicative decrease)...
 SHRINK = 0.75
 # ...and a prediction off by this many blocks or fewer is rounding, not a contradiction (the
@@ -54,14 +57,16 @@ class Learned:
 
 
 class Mirror:
-    """One upstream's expected cache: block keys, the least recently used first."""
+    """One upstream's expected cache: block keys with their sizes, the least recently used
+    first; its capacity and ceiling are bytes."""
 
-    __slots__ = ("_keys", "capacity", "ceiling")
+    __slots__ = ("_keys", "capacity", "ceiling", "held")
 
     def __init__(self, ceiling: int) -> None:
         self.ceiling = max(1, ceiling)
         self.capacity = self.ceiling
-        self._keys: OrderedDict[int, None] = OrderedDict()
+        self.held = 0  # bytes
+        self._keys: OrderedDict[int, int] = OrderedDict()  # key -> its block's bytes
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -79,33 +84,41 @@ class Mirror:
             depth += 1
         return depth
 
-    def hold(self, keys: Iterable[int]) -> None:
-        """The upstream is about to hold these blocks: add them, tail first."""
+    def hold(self, keys: Sequence[int], ends: Sequence[int]) -> None:
+        """The upstream is about to hold these blocks (``ends``: where each ends in the
+        prompt): add them, tail first."""
         held = self._keys
-        for key in reversed(tuple(keys)):
+        added = 0
+        for index in range(len(keys) - 1, -1, -1):
+            key = keys[index]
             if key in held:
                 held.move_to_end(key)
             else:
-                held[key] = None
-        self._trim()
+                size = ends[index] - (ends[index - 1] if index else 0)
+                held[key] = size
+                added += size
+        self.held += added
+        if self.held > self.capacity:
+            self._trim()
 
     def shrink(self) -> None:
-        self.capacity = max(min(FLOOR_BLOCKS, self.ceiling), int(self.capacity * SHRINK))
+        self.capacity = max(min(FLOOR_BYTES, self.ceiling), int(self.capacity * SHRINK))
         self._trim()
 
-    def grow(self, blocks: int) -> None:
-        self.capacity = min(self.ceiling, self.capacity + blocks)
+    def grow(self, size: int) -> None:
+        self.capacity = min(self.ceiling, self.capacity + size)
 
     def resize(self, ceiling: int) -> None:
-        """The upstream's cache size changed (or became known)."""
+        """The upstream's cache size changed (or became known), in bytes."""
         self.ceiling = max(1, ceiling)
         self.capacity = min(self.capacity, self.ceiling)
         self._trim()
 
     def _trim(self) -> None:
         held = self._keys
-        while len(held) > self.capacity:
-            held.popitem(last=False)
+        while self.held > self.capacity and held:
+            _, size = held.popitem(last=False)
+            self.held -= size
 
 
 class TokenBytes:
@@ -127,9 +140,9 @@ class TokenBytes:
         ratio = min(high, max(low, size / tokens))
         self.value += (ratio - self.value) * TOKEN_BYTES_WEIGHT
 
-    def blocks(self, tokens: int, block_bytes: int) -> int:
-        """How many blocks of ``block_bytes`` bytes a cache of ``tokens`` tokens holds."""
-        return max(1, int(tokens * self.value) // max(1, block_bytes))
+    def bytes(self, tokens: int) -> int:
+        """How many bytes of written-out prompt a cache of ``tokens`` tokens holds."""
+        return max(1, int(tokens * self.value))
 
 
 def matches(
@@ -148,11 +161,12 @@ def matches(
 class Mirrors:
     """Every upstream's mirror in this process, kept to the upstreams that serve now."""
 
-    def __init__(self, default_ceiling: int) -> None:
-        self.default_ceiling = default_ceiling
+    def __init__(self, default_ceiling: int, block_bytes: int, max_blocks: int) -> None:
+        self.default_ceiling = default_ceiling  # bytes, where an upstream's cache is not known
+        self.ends = block_ends(block_bytes, max_blocks)  # where each block ends in a prompt
         self.by_upstream: dict[str, Mirror] = {}
         self._generations: dict[str, int] = {}
-        self._ceilings: dict[str, int] = {}  # the cache sizes upstreams reported, in blocks
+        self._ceilings: dict[str, int] = {}  # the cache sizes upstreams reported, in bytes
         self.token_bytes = TokenBytes()
 
     def matches(self, ids: Iterable[str], keys: tuple[int, ...]) -> dict[str, int]:
@@ -161,16 +175,21 @@ class Mirrors:
         return matches(self.by_upstream, ids, keys)
 
     def hold(self, upstream_id: str, keys: tuple[int, ...]) -> None:
+        """``upstream_id`` is about to hold these blocks (no more than a prompt is cut into:
+        a peer's placement may say more)."""
         if not keys:
             return
+        if len(keys) > len(self.ends):
+            keys = keys[: len(self.ends)]
         mirror = self.by_upstream.get(upstream_id)
         if mirror is None:
             ceiling = self._ceilings.get(upstream_id, self.default_ceiling)
             mirror = self.by_upstream[upstream_id] = Mirror(ceiling)
-        mirror.hold(keys)
+        mirror.hold(keys, self.ends)
 
     def learn(self, upstream_id: str, predicted: int, confirmed: int) -> Learned:
-        """Correct ``upstream_id``'s mirror by what its engine reported it had cached."""
+        """Correct ``upstream_id``'s mirror by what its engine reported it had cached (in
+        blocks of the prompt)."""
         mirror = self.by_upstream.get(upstream_id)
         if mirror is None:
             return Learned(confirmed, predicted, "agreed")
@@ -178,13 +197,17 @@ class Mirrors:
             mirror.shrink()
             return Learned(confirmed, predicted, "denied")
         if confirmed > predicted + TOLERANCE_BLOCKS:
-            mirror.grow(confirmed - predicted)
+            mirror.grow(self._through(confirmed) - self._through(predicted))
             return Learned(confirmed, predicted, "surprised")
         return Learned(confirmed, predicted, "agreed")
 
+    def _through(self, blocks: int) -> int:
+        blocks = min(blocks, len(self.ends))
+        return self.ends[blocks - 1] if blocks > 0 else 0
+
     def retain(self, live: Mapping[str, tuple[int, int | None]]) -> None:
         """Keep the mirrors of the upstreams in ``live`` (id → (generation, cache size in
-        blocks or None)); forget the others, and any whose upstream restarted since."""
+        bytes or None)); forget the others, and any whose upstream restarted since."""
         for uid in [u for u in self.by_upstream if u not in live]:
             del self.by_upstream[uid]
         self._generations = {u: g for u, g in self._generations.items() if u in live}

@@ -6,11 +6,18 @@ two prompts share cache exactly as far as they share a prefix. The router cannot
 engine's tokenizer on the request path (it costs more than the rest of the request), and it need
 not: prompts that share a prefix of text share the tokens it becomes. So the prompt is written
 out as bytes in the order the engine's chat template puts it -- the leading system (and
-developer) messages, then the tools, then the conversation -- and cut into fixed-size byte
-blocks; block ``i``'s key is the 64-bit XXH3 hash of its bytes seeded with block ``i-1``'s key,
-so it stands for everything before it too. Only full blocks count, as in the engine. The keys
-are the same in every process (no per-process hash seed), which lets processes that never talk
-agree on where a new prefix goes.
+developer) messages, then the tools, then the conversation -- and cut into blocks; block
+``i``'s key is the 64-bit XXH3 hash of its bytes seeded with block ``i-1``'s key, so it stands
+for everything before it too. Only full blocks count, as in the engine. The keys are the same
+in every process (no per-process hash seed), which lets processes that never talk agree on where
+a new prefix goes.
+
+The blocks grow: the first ends at ``FIRST_BLOCK_BYTES`` (256 bytes, some 64 tokens), each next
+one where the prompt is twice as long, until they are ``block_bytes`` long
+(``LLMGW_ROUTING_BLOCK_BYTES``), then every ``block_bytes``: with the default 1,024, at 256, 512,
+1,024, 2,048, 3,072, ... bytes. So a short prompt (a chat's first turns, a short system prompt)
+is told apart too, and where two prompts part is told to within ``block_bytes`` (about 256
+tokens) however long they are.
 
 Pure: plain data in, plain data out, and cheap: it runs on every request's prompt, and
 ``make bench`` holds the whole routing decision to a CPU goal (docs/decisions.md, 'prompt
@@ -19,6 +26,8 @@ block hash').
 
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,17 +46,37 @@ _EMPTY: tuple[int, ...] = ()
 _HASH64 = xxhash.xxh3_64_intdigest
 
 
+# The first block's end; each next block's end doubles until blocks are ``block_bytes`` long.
+FIRST_BLOCK_BYTES = 256
+
+
+@functools.lru_cache(maxsize=16)
+def block_ends(block_bytes: int, max_blocks: int) -> tuple[int, ...]:
+    """Where each block ends, in bytes of the written-out prompt (module docstring)."""
+    ends: list[int] = []
+    end = min(FIRST_BLOCK_BYTES, block_bytes)
+    while len(ends) < max_blocks:
+        ends.append(end)
+        end += min(end, block_bytes)
+    return tuple(ends)
+
+
 @dataclass(frozen=True)
 class PromptBlocks:
     """The block keys of one prompt, and what routing and learning need with them."""
 
     keys: tuple[int, ...]  # one per full block, chained: keys[i] covers blocks 0..i
     size: int  # bytes in the written-out prompt (full blocks and the tail)
-    block_bytes: int
+    ends: tuple[int, ...] = ()  # where each block ends (at least one per key)
 
     def bytes_through(self, count: int) -> int:
         """How many bytes of the written-out prompt its first ``count`` blocks cover."""
-        return min(count, len(self.keys)) * self.block_bytes
+        count = min(count, len(self.keys))
+        return self.ends[count - 1] if count > 0 else 0
+
+    def blocks_within(self, size: int) -> int:
+        """How many of its blocks end within its first ``size`` bytes."""
+        return bisect.bisect_right(self.ends, size, 0, len(self.keys))
 
     @property
     def lead(self) -> int | None:
@@ -55,7 +84,7 @@ class PromptBlocks:
         return self.keys[0] if self.keys else None
 
 
-NO_BLOCKS = PromptBlocks(_EMPTY, 0, 1)
+NO_BLOCKS = PromptBlocks(_EMPTY, 0)
 
 
 def blocks_of(kind: str, data: dict[str, Any], block_bytes: int, max_blocks: int) -> PromptBlocks:
@@ -78,15 +107,19 @@ def blocks_of(kind: str, data: dict[str, Any], block_bytes: int, max_blocks: int
 def chain(written: bytes, block_bytes: int, max_blocks: int) -> PromptBlocks:
     """Block keys of bytes: each full block hashed with the key before it as its seed."""
     view = memoryview(written)
-    count = min(len(written) // block_bytes, max_blocks)
-    keys = []
-    key = 0
+    size = len(written)
+    ends = block_ends(block_bytes, max_blocks)
+    keys: list[int] = []
+    append = keys.append
+    key = start = 0
     hash64 = _HASH64
-    for index in range(count):
-        start = index * block_bytes
-        key = hash64(view[start : start + block_bytes], key)
-        keys.append(key)
-    return PromptBlocks(tuple(keys), len(written), block_bytes)
+    for end in ends:
+        if end > size:
+            break
+        key = hash64(view[start:end], key)
+        append(key)
+        start = end
+    return PromptBlocks(tuple(keys), size, ends)
 
 
 def _written(kind: str, data: dict[str, Any]) -> bytes:
@@ -167,4 +200,4 @@ def covering(blocks: PromptBlocks, tokens_cached: int, prompt_tokens: int) -> in
     if prompt_tokens <= 0 or tokens_cached <= 0 or not blocks.keys:
         return 0
     share = min(1.0, tokens_cached / prompt_tokens)
-    return min(len(blocks.keys), int(share * blocks.size) // blocks.block_bytes)
+    return blocks.blocks_within(int(share * blocks.size))

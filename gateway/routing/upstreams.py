@@ -95,7 +95,11 @@ class Upstreams:
         self._reload_wanted = True
         self._active_at: dict[str, float] = {}  # replica upstream id -> last finish, monotonic
         # What each upstream's prefix cache is expected to hold (routing by the cache).
-        self.mirrors = Mirrors(int(settings.LLMGW_ROUTING_MIRROR_BLOCKS))
+        self.mirrors = Mirrors(
+            int(settings.LLMGW_ROUTING_MIRROR_BYTES),
+            int(settings.LLMGW_ROUTING_BLOCK_BYTES),
+            int(settings.LLMGW_ROUTING_MAX_BLOCKS),
+        )
         self.peers: Peers | None = None  # this host's other web processes, told each placement
         self._routed_ids: frozenset[str] = frozenset()  # the upstreams the table routes to
         self._by_column: dict[int, str] = {}  # the board's columns of those upstreams
@@ -168,7 +172,6 @@ class Upstreams:
         """Keep what was learned of the caches of the upstreams ``table`` routes to, each
         bounded by its cache's size where its engine reported one: a replica that restarted,
         drained or left takes what was learned of its cache along."""
-        block_bytes = int(settings.LLMGW_ROUTING_BLOCK_BYTES)
         size = self.mirrors.token_bytes
         self._routed_ids = frozenset(table.upstreams())
         if self.loads.board is not None:
@@ -179,7 +182,7 @@ class Upstreams:
             {
                 uid: (
                     u.generation,
-                    None if u.cache_tokens is None else size.blocks(u.cache_tokens, block_bytes),
+                    None if u.cache_tokens is None else size.bytes(u.cache_tokens),
                 )
                 for uid, u in table.upstreams().items()
             }
@@ -297,11 +300,13 @@ class Upstreams:
         ids = _ids(route)
         matches = self.mirrors.matches(ids, blocks.keys)
         if lead is not None and affinity is None and not any(matches.values()):
-            matches = self._home_of(lead, len(blocks.keys), now) or matches
-        # What is predicted cached where, in bytes of the prompt: its share, and what its
-        # prefill would leave to compute at each upstream.
+            matches = self._home_of(blocks, now) or matches
+        # What is predicted cached where, in bytes of the prompt: its share of what the blocks
+        # cover (the tail past the last full block is unknown everywhere), and what its prefill
+        # would leave to compute at each upstream.
         cached = {uid: blocks.bytes_through(n) for uid, n in matches.items() if n}
-        share = max(cached.values(), default=0) / blocks.size if blocks.size else 0.0
+        keyed = blocks.bytes_through(len(blocks.keys))
+        share = max(cached.values(), default=0) / keyed if keyed else 0.0
         outstanding, starts = self.loads.host(ids, now, blocks.size, cached)
         choice = choose_cached(
             route.upstreams,
@@ -372,18 +377,17 @@ class Upstreams:
         mirrors = self.mirrors.by_upstream
         return not any(lead in m for u in route.upstreams if (m := mirrors.get(u.id)) is not None)
 
-    def _home_of(self, lead: int, keys: int, now: float) -> dict[str, int] | None:
-        """Where another process of this host placed the prefix led by ``lead`` moments ago
-        (its home on the board): it has not told this one yet, and placing it a second time
-        would compute it twice. As a match of all but the last of the blocks the two prompts
-        could share (which of them they do, only the placement's keys would tell)."""
+    def _home_of(self, blocks: prefix.PromptBlocks, now: float) -> dict[str, int] | None:
+        """Where another process of this host placed this prompt's prefix moments ago (its
+        home on the board), as far as their blocks agree: it has not told this one yet, and
+        placing the prefix a second time would compute it twice."""
         board = self.loads.board
-        found = board.home(lead, now) if board is not None else None
+        found = board.home(blocks.keys, now) if board is not None else None
         if found is None:
             return None
-        column, blocks = found
+        column, depth = found
         uid = self._by_column.get(column)
-        return {uid: max(1, min(blocks, keys) - 1)} if uid is not None else None
+        return {uid: depth} if uid is not None else None
 
     def _claim_home(
         self,
@@ -400,14 +404,14 @@ class Upstreams:
         column = self.loads.column(choice.upstream.id)
         if board is None or column is None:
             return choice
-        assert blocks.lead is not None
-        home = board.claim_home(blocks.lead, column, len(blocks.keys), now)
+        home = board.claim_home(blocks.keys, column, now)
         if home == column:
             return choice
         uid = self._by_column.get(home)
+        followed = self._home_of(blocks, now) or {}
         for upstream in route.upstreams:
             if upstream.id == uid and uid not in exclude:
-                return Choice(upstream, CACHED, 1)
+                return Choice(upstream, CACHED, followed.get(uid, 1))
         return choice
 
     def learn(

@@ -145,15 +145,30 @@ def test_one_new_prefix_has_one_home_whoever_claims_it(tmp_path: Path) -> None:
     a = open_board(tmp_path, os.getpid())
     b = open_board(tmp_path, live_pid())
     try:
-        assert a.home(42, NOW) is None
-        assert a.claim_home(42, column=3, blocks=9, now=NOW) == 3
-        assert b.claim_home(42, column=1, blocks=9, now=NOW + 0.001) == 3  # it follows a's
-        assert b.home(42, NOW + 1) == (3, 9)
+        prompt = (42, 43, 44, 45)
+        assert a.home(prompt, NOW) is None
+        assert a.claim_home(prompt, column=3, now=NOW) == 3
+        assert b.claim_home(prompt, column=1, now=NOW + 0.001) == 3  # it follows a's
+        assert b.home(prompt, NOW + 1) == (3, 4)
+        # Another prompt opening the same way is placed there as far as their blocks agree.
+        assert b.home((42, 43, 99, 100), NOW + 1) == (3, 2)
+        assert b.home((41, 43), NOW + 1) is None  # its first block differs: a new prompt
         # Past its time a home is no longer trusted, and a new placement replaces it.
-        assert b.home(42, NOW + HOME_TTL_S + 1) is None
-        assert b.claim_home(42, column=1, blocks=5, now=NOW + HOME_TTL_S + 1) == 1
+        assert b.home(prompt, NOW + HOME_TTL_S + 1) is None
+        assert b.claim_home(prompt, column=1, now=NOW + HOME_TTL_S + 1) == 1
+        assert a.home(prompt, NOW + HOME_TTL_S + 2) == (1, 4)
     finally:
         a.close()
+        b.close()
+
+
+def test_a_home_covers_a_placements_first_blocks_only(tmp_path: Path) -> None:
+    b = open_board(tmp_path, os.getpid())
+    try:
+        prompt = tuple(range(1000, 1000 + board_module.HOME_KEYS + 10))
+        b.claim_home(prompt, column=2, now=NOW)
+        assert b.home(prompt, NOW) == (2, board_module.HOME_KEYS)
+    finally:
         b.close()
 
 
@@ -163,9 +178,9 @@ def test_homes_make_room_for_new_prefixes_by_dropping_the_oldest(tmp_path: Path)
         homes = board_module.HOMES
         keys = [7 + homes * i for i in range(board_module.HOME_PROBES + 1)]  # one probe window
         for i, key in enumerate(keys):
-            assert b.claim_home(key, column=i, blocks=1, now=NOW + i) == i
-        assert b.home(keys[0], NOW + 10) is None  # the oldest made room
-        assert all(b.home(k, NOW + 10) is not None for k in keys[1:])
+            assert b.claim_home((key,), column=i, now=NOW + i) == i
+        assert b.home((keys[0],), NOW + 10) is None  # the oldest made room
+        assert all(b.home((k,), NOW + 10) is not None for k in keys[1:])
     finally:
         b.close()
 
@@ -174,7 +189,7 @@ def _claim_at_once(folder: str, column: int, keys: list[int], start: Any, out: A
     board = Board.open(Path(folder), NOW)
     assert board is not None
     start.wait()
-    out.put([board.claim_home(key, column, 4, NOW) for key in keys])
+    out.put([board.claim_home((key, key + 1_000_000), column, NOW) for key in keys])
     board.close()
 
 
@@ -200,7 +215,8 @@ def test_two_processes_claiming_the_same_new_prefixes_at_the_same_instant_agree(
     assert told[0] == told[1]
     reader = open_board(tmp_path, os.getpid())
     try:
-        assert [reader.home(k, NOW)[0] for k in keys] == told[0]  # type: ignore[index]
+        homes = [reader.home((k, k + 1_000_000), NOW) for k in keys]
+        assert homes == [(column, 2) for column in told[0]]
     finally:
         reader.close()
 
@@ -226,7 +242,7 @@ def test_a_damaged_board_is_read_as_nothing_there_never_as_a_failure(
         column = b.columns(["replica:1"], NOW)["replica:1"]
         counts = b.host([column], NOW)
         assert all(0 <= c < board_module.MAX_COUNT for c in counts.outstanding + counts.awaiting)
-        found = b.home(12345, NOW)
+        found = b.home((12345, 6789), NOW)
         assert found is None or 0 <= found[0] < board_module.UPSTREAMS
         b.write(column, 1, 1, 10)
         assert b.host([column], NOW).outstanding[0] in (0, 1)  # 0: no room left for it

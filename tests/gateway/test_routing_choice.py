@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections import Counter
 
@@ -21,7 +22,7 @@ from gateway.routing.choice import (
     session_key,
 )
 from gateway.routing.loads import Loads
-from gateway.routing.mirrors import FLOOR_BLOCKS, Mirror, Mirrors, TokenBytes, matches
+from gateway.routing.mirrors import FLOOR_BYTES, Mirror, Mirrors, TokenBytes, matches
 from gateway.routing.table import Upstream
 
 A, B, C, D = (Upstream(f"replica:{i}", f"http://10.0.0.{i}:8000") for i in range(1, 5))
@@ -41,13 +42,32 @@ def blocks(body: dict[str, object], kind: str = "chat") -> prefix.PromptBlocks:
     return prefix.blocks_of(kind, body, block_bytes=512, max_blocks=256)
 
 
+def full_blocks(size: int, block_bytes: int = 512) -> int:
+    """How many blocks of a prompt end within its first ``size`` bytes."""
+    return bisect.bisect_right(prefix.block_ends(block_bytes, 256), size)
+
+
+# The written-out system message: its role, a separator, its text and the message's end.
+SYSTEM_BYTES = len("system") + 1 + len(SYSTEM) + 1
+
 # --------------------------------------------------------------------------- prompt blocks
+
+
+def test_blocks_grow_from_a_quarter_kilobyte_to_the_block_size_then_stay() -> None:
+    assert prefix.block_ends(4096, 9) == (256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 20480)
+    assert prefix.block_ends(64, 4) == (64, 128, 192, 256)  # blocks no larger than asked
+    short = blocks(chat(("user", "Is this short question told apart? " * 8)))
+    assert len(short.keys) == 1  # a chat's short first turn has a block
+    long = prefix.blocks_of("chat", chat(("user", "w" * 32_000)), 1024, 512)
+    assert len(long.keys) == 33  # 256, 512, then every 1,024 up to 32,000 bytes
+    assert long.bytes_through(3) == 1024 and long.bytes_through(0) == 0
+    assert long.bytes_through(99) == 31_744  # no further than its last full block
 
 
 def test_prompts_that_share_a_prefix_share_exactly_its_full_blocks() -> None:
     one = blocks(chat(("system", SYSTEM), ("user", "What is two and two? " * 40)))
     two = blocks(chat(("system", SYSTEM), ("user", "Name a prime. " * 60)))
-    shared = len(SYSTEM) // 512  # every block wholly inside the system prompt
+    shared = full_blocks(SYSTEM_BYTES)  # every block wholly inside the system message
     assert one.keys[:shared] == two.keys[:shared]
     assert one.keys[shared:] and two.keys[shared:]
     assert not set(one.keys[shared:]) & set(two.keys[shared:])
@@ -55,7 +75,7 @@ def test_prompts_that_share_a_prefix_share_exactly_its_full_blocks() -> None:
 
 
 def test_each_block_key_covers_everything_before_it() -> None:
-    # The same bytes at block 3 after a different block 0 are another key.
+    # The same bytes in later blocks after a different first block are other keys.
     tail = "x" * 2048
     one = blocks(chat(("user", "a" * 512 + tail)))
     two = blocks(chat(("user", "b" * 512 + tail)))
@@ -78,7 +98,7 @@ def test_tools_come_after_the_system_prompt_and_before_the_conversation() -> Non
     tools = [{"type": "function", "function": {"name": "f" * 600, "parameters": {}}}]
     with_tools = blocks(chat(("system", SYSTEM), ("user", "hi"), tools=tools))
     without = blocks(chat(("system", SYSTEM), ("user", "hi")))
-    system_blocks = len(SYSTEM) // 512
+    system_blocks = full_blocks(SYSTEM_BYTES)
     assert with_tools.keys[:system_blocks] == without.keys[:system_blocks]
     assert with_tools.size > without.size
 
@@ -101,10 +121,10 @@ def test_requests_without_a_full_prompt_block_have_no_keys(
 
 def test_completion_prompts_and_responses_inputs_are_blocked_too() -> None:
     text = "z" * 2000
-    assert len(blocks({"prompt": text}, "completions").keys) == 3
+    assert len(blocks({"prompt": text}, "completions").keys) == full_blocks(2000) == 4
     assert len(blocks({"prompt": list(range(400))}, "completions").keys) >= 1
     responses = blocks({"instructions": SYSTEM, "input": "hello"}, "responses")
-    assert len(responses.keys) == len(SYSTEM) // 512
+    assert len(responses.keys) == full_blocks(len(SYSTEM) + len("hello"))
 
 
 def test_hostile_content_never_raises_and_huge_prompts_are_capped() -> None:
@@ -119,7 +139,8 @@ def test_hostile_content_never_raises_and_huge_prompts_are_capped() -> None:
 
 @pytest.mark.parametrize(
     ("cached", "prompt", "expected"),
-    [(0, 1000, 0), (500, 1000, 4), (1000, 1000, 8), (2000, 1000, 8), (5, 0, 0)],
+    # 4,096 bytes in blocks ending at 256, 512, 1,024, then every 512: nine blocks.
+    [(0, 1000, 0), (500, 1000, 5), (1000, 1000, 9), (2000, 1000, 9), (5, 0, 0), (60, 1000, 0)],
 )
 def test_an_engines_cached_tokens_cover_the_same_share_of_blocks(
     cached: int, prompt: int, expected: int
@@ -130,71 +151,83 @@ def test_an_engines_cached_tokens_cover_the_same_share_of_blocks(
 
 # --------------------------------------------------------------------------- mirrors
 
+ENDS = prefix.block_ends(512, 256)  # 256, 512, 1,024, then every 512
+
 
 def test_a_mirror_forgets_least_recently_used_blocks_tail_first() -> None:
-    mirror = Mirror(ceiling=FLOOR_BLOCKS)
-    first = tuple(range(100, 100 + FLOOR_BLOCKS))
-    mirror.hold(first)
-    mirror.hold((1, 2))  # two new blocks push two of the first prompt's out: its tail
-    assert 100 in mirror and 101 in mirror
-    assert first[-1] not in mirror and first[-2] not in mirror
-    assert len(mirror) == FLOOR_BLOCKS
+    mirror = Mirror(ceiling=FLOOR_BYTES)
+    first = tuple(range(100, 100 + 64))  # 32,256 bytes of blocks: almost the whole ceiling
+    mirror.hold(first, ENDS)
+    assert len(mirror) == 64 and mirror.held == ENDS[63]
+    mirror.hold((1, 2, 3), ENDS)  # three new blocks (1,024 bytes) push the first one's tail out
+    assert 100 in mirror and 101 in mirror and 1 in mirror and 3 in mirror
+    assert first[-1] not in mirror and first[-2] in mirror
+    assert mirror.held == FLOOR_BYTES
+
+
+def test_a_placement_of_more_blocks_than_a_prompt_is_cut_into_is_held_to_its_head() -> None:
+    # A peer's datagram may carry more keys than this process cuts a prompt into.
+    mirrors = Mirrors(default_ceiling=1_000_000, block_bytes=512, max_blocks=8)
+    mirrors.hold("a", tuple(range(1000)))
+    assert len(mirrors.by_upstream["a"]) == 8 and mirrors.by_upstream["a"].depth(range(9)) == 8
 
 
 def test_matches_walk_each_upstream_to_its_first_missing_block() -> None:
-    mirrors = {"a": Mirror(100), "b": Mirror(100), "c": Mirror(100)}
-    mirrors["a"].hold((1, 2, 3, 4))
-    mirrors["b"].hold((1, 2))
-    mirrors["c"].hold((9,))
+    mirrors = {"a": Mirror(100_000), "b": Mirror(100_000), "c": Mirror(100_000)}
+    mirrors["a"].hold((1, 2, 3, 4), ENDS)
+    mirrors["b"].hold((1, 2), ENDS)
+    mirrors["c"].hold((9,), ENDS)
     assert matches(mirrors, ["a", "b", "c", "d"], (1, 2, 3)) == {"a": 3, "b": 2, "c": 0}
 
 
 def test_an_engine_that_denies_a_prediction_shrinks_the_mirror_and_one_that_had_more_grows_it() -> (
     None
 ):
-    mirrors = Mirrors(default_ceiling=1000)
-    mirrors.hold("a", tuple(range(800)))
+    mirrors = Mirrors(default_ceiling=400_000, block_bytes=512, max_blocks=1000)
+    mirrors.hold("a", tuple(range(800)))  # 400,000 bytes: all of it
+    mirror = mirrors.by_upstream["a"]
+    assert len(mirror) == 782 and mirror.held <= 400_000
     assert mirrors.learn("a", predicted=10, confirmed=10).outcome == "agreed"
     assert mirrors.learn("a", predicted=10, confirmed=9).outcome == "agreed"  # rounding
     denied = mirrors.learn("a", predicted=10, confirmed=0)
     assert denied.outcome == "denied"
-    assert len(mirrors.by_upstream["a"]) == 750  # three quarters of the capacity, oldest gone
-    assert mirrors.by_upstream["a"].capacity == 750
+    assert mirror.capacity == 300_000  # three quarters of it, the oldest blocks gone
+    assert mirror.held <= 300_000 and 0 in mirror and 799 not in mirror
     assert mirrors.learn("a", predicted=0, confirmed=100).outcome == "surprised"
-    assert mirrors.by_upstream["a"].capacity == 850
+    assert mirror.capacity == 300_000 + ENDS[99]  # grown by the hundred blocks' bytes
     for _ in range(50):
         mirrors.learn("a", predicted=0, confirmed=500)
-    assert mirrors.by_upstream["a"].capacity == 1000  # never past the upstream's cache size
+    assert mirror.capacity == 400_000  # never past the upstream's cache size
 
 
 def test_a_restarted_drained_or_departed_upstream_is_forgotten() -> None:
-    mirrors = Mirrors(default_ceiling=1000)
+    mirrors = Mirrors(default_ceiling=100_000, block_bytes=512, max_blocks=256)
     for uid in ("a", "b", "c"):
         mirrors.hold(uid, (1, 2, 3))
     mirrors.retain({"a": (1, None), "b": (1, None), "c": (1, None)})
     mirrors.retain({"a": (1, None), "b": (2, None)})  # b restarted, c left
     assert set(mirrors.by_upstream) == {"a"}
-    mirrors.retain({"a": (1, 40)})  # a's cache is now known: 40 blocks
+    mirrors.retain({"a": (1, 20_480)})  # a's cache is now known: 20 KiB of prompt
     mirrors.hold("a", tuple(range(10, 100)))
-    assert len(mirrors.by_upstream["a"]) == 40
+    assert mirrors.by_upstream["a"].held <= 20_480
 
 
 def test_an_upstream_whose_whole_cache_is_smaller_than_the_floor_is_remembered_no_larger() -> None:
-    mirrors = Mirrors(default_ceiling=1000)
-    mirrors.retain({"a": (1, 10)})
+    mirrors = Mirrors(default_ceiling=100_000, block_bytes=512, max_blocks=256)
+    mirrors.retain({"a": (1, 5_000)})
     mirrors.hold("a", tuple(range(100)))
-    assert len(mirrors.by_upstream["a"]) == 10
+    assert mirrors.by_upstream["a"].held <= 5_000
     assert mirrors.learn("a", predicted=10, confirmed=0).outcome == "denied"
-    assert mirrors.by_upstream["a"].capacity == 10, "its whole cache is the floor"
+    assert mirrors.by_upstream["a"].capacity == 5_000, "its whole cache is the floor"
 
 
 def test_bytes_per_token_start_at_four_and_move_toward_what_engines_count() -> None:
     size = TokenBytes()
-    assert size.value == 4.0 and size.blocks(1024, 1024) == 4
+    assert size.value == 4.0 and size.bytes(1024) == 4096
     for _ in range(100):
         size.learn(size=6000, tokens=1000)
     assert 5.5 < size.value < 6.0
-    assert size.blocks(1024, 1024) == 5  # 1,024 tokens of about six bytes: five full blocks
+    assert 5.5 * 1024 < size.bytes(1024) < 6 * 1024  # 1,024 tokens of about six bytes
     size.learn(size=6000, tokens=0)  # no count: nothing learned
     size.learn(size=0, tokens=1000)
     assert 5.5 < size.value < 6.0
@@ -204,7 +237,7 @@ def test_bytes_per_token_start_at_four_and_move_toward_what_engines_count() -> N
     for _ in range(2000):
         size.learn(size=1, tokens=10**9)
     assert size.value == pytest.approx(1.0), "never below one byte a token"
-    assert size.blocks(10, 1024) == 1, "a cache is never less than one block"
+    assert size.bytes(0) == 1, "a cache is never less than a byte"
 
 
 # --------------------------------------------------------------------------- the choice

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -74,35 +73,33 @@ async def test_a_route_that_has_an_upstream_comes_back_at_once_even_past_the_lim
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_what_is_remembered_of_a_replica_follows_the_cache_size_its_engine_reported(
-    settings: Any,
-) -> None:
-    settings.LLMGW_ROUTING_BLOCK_BYTES = 1024
+async def test_what_is_remembered_of_a_replica_follows_the_cache_size_its_engine_reported() -> None:
     served = await sync_to_async(serve_model)("m", [8001, 8002])
     small, untold = (f"replica:{r.pk}" for r in served.replicas)
     upstreams = Upstreams()
     await upstreams.refresh()
-    keys = tuple(range(1000))
+    keys = tuple(range(400))  # some 1.6 megabytes of prompt in 4 KiB blocks
     for uid in (small, untold):
         upstreams.mirrors.hold(uid, keys)
-    # 10,240 tokens at the first estimate of four bytes a token: 40 blocks of 1 KiB.
+    # 10,240 tokens at the first estimate of four bytes a token: 40 KiB of prompt.
     await Shard.objects.filter(replica=served.replicas[0]).aupdate(cache_tokens=10240)
     await upstreams.refresh()
     mirror = upstreams.mirrors.by_upstream[small]
-    assert (mirror.ceiling, len(mirror), mirror.depth(keys)) == (40, 40, 40), "the head kept"
+    assert mirror.ceiling == 40960 and 36 * 1024 < mirror.held <= 40960
+    assert mirror.depth(keys) == len(mirror), "the head kept"
     # An engine that never said (an older agent) keeps the default bound, and all it held.
     other = upstreams.mirrors.by_upstream[untold]
-    assert (other.ceiling, len(other)) == (upstreams.mirrors.default_ceiling, 1000)
+    assert (other.ceiling, len(other)) == (upstreams.mirrors.default_ceiling, 400)
 
-    # Engines count eight bytes of this prompt a token: the same cache holds more blocks.
+    # Engines count eight bytes of this prompt a token: the same cache holds more of it.
     dense = prefix.chain(b"x" * 8192, 1024, 64)
     for _ in range(200):
         upstreams.measure(dense, 1024)
     await upstreams.refresh()
-    assert 70 < mirror.ceiling <= 80
-    # ...and at two bytes a token, fewer.
+    assert 70_000 < mirror.ceiling <= 81_920
+    # ...and at two bytes a token, less.
     for _ in range(400):
         upstreams.measure(dense, 4096)
     await upstreams.refresh()
-    assert 20 <= mirror.ceiling < 25
-    assert len(mirror) == mirror.ceiling
+    assert 20_000 <= mirror.ceiling < 25_600
+    assert mirror.held <= mirror.ceiling
