@@ -1,12 +1,15 @@
 """What routing by the cache costs per request: CPU of one decision for a 32,000-character prompt.
 
 The request path's routing work, as the relay does it: the prompt written out and cut into
-blocks (``gateway.routing.prefix.blocks_of``), the choice (``Upstreams.choose``: the mirrors'
-matches, ``gateway.routing.choice.choose_cached``, the blocks then held) and the engine's report
-learned (``Upstreams.learn``), against four upstreams whose mirrors are warm: eight shared
-system prompts of ~24,000 characters, each request with a unique ~8,000-character question.
-Beside it, the same choice under ``least_outstanding`` (load alone). Run in a process of its
-own (it needs Django's settings), in CPU time, the best of a few rounds::
+blocks (``gateway.routing.prefix.blocks_of``), the choice and the request held at its upstream
+(``Upstreams.take``: the mirrors' matches, the host's loads read from the board, which prefixes
+are hot, ``gateway.routing.choice.choose_cached``, the blocks then held, the request counted on
+the board), its release, and the engine's report learned (``Upstreams.learn``), against four
+upstreams whose mirrors are warm and whose loads are on a board of the host (as every web
+process has one): eight shared system prompts of ~24,000 characters, each request with a
+unique ~8,000-character question. Beside it, the same under ``least_outstanding`` (load
+alone). Run in a process of its own (it needs Django's settings), in CPU time, the best of a
+few rounds::
 
     python -m bench.routing_cost
 """
@@ -17,7 +20,9 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 PROMPT_CHARS = 32_000
@@ -77,6 +82,7 @@ def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
     from django.test import override_settings
 
     from gateway.routing import prefix
+    from gateway.routing.board import Board
     from gateway.routing.table import Route, Upstream
     from gateway.routing.upstreams import Upstreams
 
@@ -101,23 +107,33 @@ def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
             body = bodies[i % len(bodies)]
             if cache_aware:
                 blocks = prefix.blocks_of("chat", body, 1024, 512)
-                choice = upstreams.choose(route, blocks=blocks)
-                assert choice is not None
+                taken = upstreams.take(route, blocks=blocks, key=blocks.lead)
+                assert taken is not None
+                choice, hold = taken
+                upstreams.answered(hold)
+                upstreams.release(hold)
                 upstreams.learn(choice.upstream, blocks, choice.predicted, 6000, 8000)
             else:
-                upstreams.choose(route)
+                taken = upstreams.take(route)
+                assert taken is not None
+                upstreams.release(taken[1])
         return (time.process_time() - start) / requests * 1e6
 
     out: dict[str, Any] = {"prompt_chars": PROMPT_CHARS, "requests_per_round": requests}
     for policy in ("cache_aware", "least_outstanding"):
-        with override_settings(LLMGW_ROUTING_POLICY=policy):
+        with override_settings(LLMGW_ROUTING_POLICY=policy), tempfile.TemporaryDirectory() as var:
             upstreams = Upstreams()
+            board = Board.open(Path(var), time.monotonic())
+            assert board is not None
+            upstreams.loads.share(board)
+            upstreams.loads.remember({u.id: 1 for u in route.upstreams}, time.monotonic())
             one_round(upstreams, policy == "cache_aware")  # warm the mirrors
             out[policy] = {
                 "cpu_us_per_request": min(
                     one_round(upstreams, policy == "cache_aware") for _ in range(rounds)
                 )
             }
+            upstreams.loads.unshare()
     out["decision_cpu_us"] = out["cache_aware"]["cpu_us_per_request"]
     return out
 

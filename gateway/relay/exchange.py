@@ -40,7 +40,7 @@ from gateway.routing import prefix
 from gateway.routing.choice import Choice, affinity_of
 from gateway.routing.loads import Hold
 from gateway.routing.table import Route, Upstream
-from gateway.routing.upstreams import upstreams
+from gateway.routing.upstreams import routing_settings, upstreams
 from telemetry import metrics, tracing
 
 logger = logging.getLogger(__name__)
@@ -148,17 +148,11 @@ class Exchange:
         """The prompt as blocks and the session it names: what routing by the cache places by
         (generation requests only; embeddings and rerank keep no cache between requests)."""
         self.keyed = True
-        if (
-            self.body is None
-            or self.api_route.tag != "generation"
-            or settings.LLMGW_ROUTING_POLICY != "cache_aware"
-        ):
+        knobs = routing_settings()
+        if self.body is None or self.api_route.tag != "generation" or not knobs.cache_aware:
             return
         self.blocks = prefix.blocks_of(
-            self.api_route.kind,
-            self.body.data,
-            int(settings.LLMGW_ROUTING_BLOCK_BYTES),
-            int(settings.LLMGW_ROUTING_MAX_BLOCKS),
+            self.api_route.kind, self.body.data, knobs.block_bytes, knobs.max_blocks
         )
         self.affinity = affinity_of(self.body.data, self.session)
 

@@ -45,15 +45,15 @@ import mmap
 import os
 import struct
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import xxhash
 
 logger = logging.getLogger(__name__)
 
-NAME = "board-v1"
-MAGIC = b"LLMGWBD1"
+NAME = "board-v3"
+MAGIC = b"LLMGWBD3"
 SLOTS = 64  # web processes of one host, at most
 UPSTREAMS = 512  # upstreams the host routes to at once, at most
 HOMES = 16_384  # new prefixes remembered (a probe window each; the oldest make room)
@@ -67,13 +67,17 @@ REGISTRY_IDLE_S = 600.0
 MAX_PID = 1 << 22  # Linux's largest pid_max
 # A count no real process reaches: a larger one read is a torn or damaged value, read as 0.
 MAX_COUNT = 1 << 24
+MAX_PENDING = 1 << 40  # bytes of prompt awaiting prefill, likewise
+LIVE_EVERY_S = 0.1  # how often the live slots are looked at again
 
 _HEADER = struct.Struct("<8sIIII")  # magic, slots, upstreams, homes, slots ever claimed
 _HEADER_SIZE = 64
 _SLOT = 16  # pid (u32), unused (u32), heartbeat (f64)
 _ENTRY = 16  # registry: id hash (u64), last used (f64)
-_COUNTS = 4  # u32s per (slot, upstream): outstanding, awaiting, pending bytes, unused
-_TIMES = 2  # f64s per (slot, upstream): the oldest awaiting request's send, the last first byte
+# A cell, one per (slot, upstream): outstanding requests, those awaiting a first byte, the prompt
+# bytes they bring to prefill (i64 each), when the oldest of them was sent, when the last first
+# byte came (f64 each), read and written whole by one call each.
+_CELL = struct.Struct("<qqqdd")
 # A home: a prompt block's key, its column, when (tenths of a second from the epoch).
 _HOME = struct.Struct("<QH2xI")
 _CLAIMED_AT = 20  # in the header: how many slots were ever claimed
@@ -81,8 +85,7 @@ _CLAIMED_AT = 20  # in the header: how many slots were ever claimed
 _SLOTS_AT = _HEADER_SIZE
 _REGISTRY_AT = _SLOTS_AT + SLOTS * _SLOT
 _COUNTS_AT = _REGISTRY_AT + UPSTREAMS * _ENTRY
-_TIMES_AT = _COUNTS_AT + SLOTS * UPSTREAMS * _COUNTS * 4
-_HOMES_AT = _TIMES_AT + SLOTS * UPSTREAMS * _TIMES * 8
+_HOMES_AT = _COUNTS_AT + SLOTS * UPSTREAMS * _CELL.size
 _EPOCH_AT = _HOMES_AT + HOMES * _HOME.size  # f64: the clock's reading the homes count from
 SIZE = _EPOCH_AT + 8
 
@@ -92,8 +95,7 @@ def id_hash(upstream_id: str) -> int:
     return xxhash.xxh3_64_intdigest(upstream_id.encode("utf-8", "surrogatepass")) or 1
 
 
-@dataclass(frozen=True)
-class HostCounts:
+class HostCounts(NamedTuple):
     """The live slots' sums for some columns, in their order."""
 
     outstanding: list[int]
@@ -115,13 +117,14 @@ class Board:
         self._slots_f64 = view[_SLOTS_AT:_REGISTRY_AT].cast("d")
         self._registry_u64 = view[_REGISTRY_AT:_COUNTS_AT].cast("Q")
         self._registry_f64 = view[_REGISTRY_AT:_COUNTS_AT].cast("d")
-        self._counts = view[_COUNTS_AT:_TIMES_AT].cast("I")
-        self._times = view[_TIMES_AT:_HOMES_AT].cast("d")
+
         self._homes = view[_HOMES_AT:_EPOCH_AT]
         self._epoch = view[_EPOCH_AT:SIZE].cast("d")
         self.slot = slot
         self.pid = pid
         self._depth = 0  # how deep this process is in the board's lock
+        self._live: list[int] = []  # the live slots, as last looked at...
+        self._live_at = -math.inf  # ...then
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -196,9 +199,8 @@ class Board:
         return min(SLOTS, claimed)
 
     def _zero_slot(self, slot: int) -> None:
-        start = slot * UPSTREAMS
-        self._counts[start * _COUNTS : (start + UPSTREAMS) * _COUNTS] = _ZERO_COUNTS
-        self._times[start * _TIMES : (start + UPSTREAMS) * _TIMES] = _ZERO_TIMES
+        start = _COUNTS_AT + slot * UPSTREAMS * _CELL.size
+        self._map[start : start + UPSTREAMS * _CELL.size] = _ZERO_SLOT
 
     def close(self) -> None:
         """Give the slot back (zeroed) and unmap."""
@@ -213,8 +215,6 @@ class Board:
             self._slots_f64,
             self._registry_u64,
             self._registry_f64,
-            self._counts,
-            self._times,
             self._homes,
             self._epoch,
             self._view,
@@ -240,35 +240,36 @@ class Board:
     def owns_slot(self) -> bool:
         return self._slots_u32[self.slot * 4] == self.pid
 
-    def write(self, column: int, outstanding: int, awaiting: int, pending: int) -> None:
-        """This process's counts for the upstream in ``column``."""
+    def write(
+        self,
+        column: int,
+        outstanding: int,
+        awaiting: int,
+        pending: int,
+        times: tuple[float, float],
+    ) -> None:
+        """This process's requests at the upstream in ``column``: outstanding, awaiting a first
+        byte, the prompt bytes those bring to prefill, and ``times``: when the oldest of them
+        was sent (0.0: none awaits) and when its last first byte there came."""
         if not 0 <= column < UPSTREAMS:
             return
-        at = (self.slot * UPSTREAMS + column) * _COUNTS
-        counts = self._counts
-        counts[at] = min(outstanding, MAX_COUNT)
-        counts[at + 1] = min(awaiting, MAX_COUNT)
-        counts[at + 2] = min(pending, 0xFFFFFFFF)
-
-    def write_times(self, column: int, oldest: float, answered: float) -> None:
-        """When this process's oldest request awaiting a first byte there was sent (0.0:
-        none awaits), and when its last first byte there came."""
-        if not 0 <= column < UPSTREAMS:
-            return
-        at = (self.slot * UPSTREAMS + column) * _TIMES
-        self._times[at] = oldest
-        self._times[at + 1] = answered
+        at = _COUNTS_AT + (self.slot * UPSTREAMS + column) * _CELL.size
+        _CELL.pack_into(self._map, at, outstanding, awaiting, pending, *times)
 
     # --- the host -----------------------------------------------------------------------
 
     def live_slots(self, now: float) -> list[int]:
-        """The slots whose processes have said they are alive within SLOT_STALE_S."""
-        u32, f64 = self._slots_u32, self._slots_f64
-        return [
-            slot
-            for slot in range(self._claimed())
-            if u32[slot * 4] and now - f64[slot * 2 + 1] < SLOT_STALE_S
-        ]
+        """The slots whose processes have said they are alive within SLOT_STALE_S (looked at
+        again at most every LIVE_EVERY_S: a process that starts is counted that much later)."""
+        if now - self._live_at >= LIVE_EVERY_S or now < self._live_at:
+            u32, f64 = self._slots_u32, self._slots_f64
+            self._live = [
+                slot
+                for slot in range(self._claimed())
+                if u32[slot * 4] and now - f64[slot * 2 + 1] < SLOT_STALE_S
+            ]
+            self._live_at = now
+        return self._live
 
     def host(self, columns: Sequence[int], now: float) -> HostCounts:
         """The live processes' counts for ``columns`` (-1: an upstream not on the board, all
@@ -277,24 +278,24 @@ class Board:
         n = len(columns)
         outstanding, awaiting, pending = [0] * n, [0] * n, [0] * n
         oldest, answered = [0.0] * n, [0.0] * n
-        counts, times = self._counts, self._times
+        cells, unpack = self._map, _CELL.unpack_from
+        places = [
+            (i, _COUNTS_AT + column * _CELL.size)
+            for i, column in enumerate(columns)
+            if 0 <= column < UPSTREAMS
+        ]
         for slot in self.live_slots(now):
-            base = slot * UPSTREAMS
-            for i, column in enumerate(columns):
-                if not 0 <= column < UPSTREAMS:
-                    continue
-                at = (base + column) * _COUNTS
-                o, a, p = counts[at], counts[at + 1], counts[at + 2]
-                if o >= MAX_COUNT or a >= MAX_COUNT:
-                    continue  # not a count any process wrote whole
-                outstanding[i] += o
-                awaiting[i] += a
-                pending[i] += p
-                at = (base + column) * _TIMES
-                sent, last = times[at], times[at + 1]
-                if a and sent > 0.0 and (not oldest[i] or sent < oldest[i]):
-                    oldest[i] = sent
-                answered[i] = max(answered[i], last)
+            base = slot * UPSTREAMS * _CELL.size
+            for i, at in places:
+                o, a, p, sent, last = unpack(cells, base + at)
+                # Counts no process of ours wrote (a damaged board) are nothing there.
+                if 0 <= o < MAX_COUNT and 0 <= a < MAX_COUNT and 0 <= p < MAX_PENDING:
+                    outstanding[i] += o
+                    awaiting[i] += a
+                    pending[i] += p
+                    if a and sent > 0.0 and (not oldest[i] or sent < oldest[i]):
+                        oldest[i] = sent
+                    answered[i] = max(answered[i], last)
         return HostCounts(outstanding, awaiting, pending, oldest, answered)
 
     # --- the registry -------------------------------------------------------------------
@@ -350,18 +351,18 @@ class Board:
         if reusable < 0:
             return -1
         for slot in range(SLOTS):  # what the upstream before it left
-            at = (slot * UPSTREAMS + reusable) * _COUNTS
-            self._counts[at : at + _COUNTS] = _ZERO_COUNTS[:_COUNTS]
-            at = (slot * UPSTREAMS + reusable) * _TIMES
-            self._times[at : at + _TIMES] = _ZERO_TIMES[:_TIMES]
+            at = _COUNTS_AT + (slot * UPSTREAMS + reusable) * _CELL.size
+            self._map[at : at + _CELL.size] = _ZERO_SLOT[: _CELL.size]
         self._registry_f64[reusable * 2 + 1] = now
         self._registry_u64[reusable * 2] = key
         return reusable
 
     def _column_is_idle(self, column: int) -> bool:
         for slot in range(SLOTS):
-            at = (slot * UPSTREAMS + column) * _COUNTS
-            if self._counts[at] or self._counts[at + 1]:
+            o, a, *_ = _CELL.unpack_from(
+                self._map, _COUNTS_AT + (slot * UPSTREAMS + column) * _CELL.size
+            )
+            if o or a:
                 return False
         return True
 
@@ -434,8 +435,7 @@ class Board:
         struct.pack_into("<Q", self._homes, at, key)
 
 
-_ZERO_COUNTS = memoryview(bytes(UPSTREAMS * _COUNTS * 4)).cast("I")
-_ZERO_TIMES = memoryview(bytes(UPSTREAMS * _TIMES * 8)).cast("d")
+_ZERO_SLOT = bytes(UPSTREAMS * _CELL.size)
 
 
 @contextlib.contextmanager

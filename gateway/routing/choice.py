@@ -43,7 +43,9 @@ import functools
 import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
 
 from gateway.routing.table import Upstream, choose
 
@@ -60,6 +62,7 @@ OUTCOMES = (AFFINITY, CACHED, COLD, SPILLED, LEAST_LOADED)
 CACHE_WORTH = 0.5
 
 _MASK = (1 << 64) - 1
+_NOTHING: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -73,21 +76,19 @@ class Bounds:
     hot_slack: int = 1  # a prefix hotter than one upstream's share: bounded by the mean alone
 
 
-@dataclass(frozen=True)
-class Placement:
-    """What one request brings to the choice."""
+class Placement(NamedTuple):
+    """What one request brings to the choice (a tuple: one is made for every request)."""
 
     lead: int | None = None  # its prompt's first block key (None: no full block)
     affinity: int | None = None  # the key of the session it names, if any
-    matches: Mapping[str, int] = field(default_factory=dict)  # upstream id → blocks predicted
+    matches: Mapping[str, int] = _NOTHING  # upstream id → blocks predicted
     # Its prefix (or session) is more of what is in flight than one upstream's fair share
     # (``gateway.routing.loads``): it is spread at the mean, not kept where it is cached.
     hot: bool = False
     share: float = 1.0  # of the prompt's bytes, the longest predicted prefix's share
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     upstream: Upstream
     outcome: str
     predicted: int  # blocks of the prompt the mirror expects the upstream to hold
@@ -162,13 +163,14 @@ def choose_cached(
     may have recovered beats a certain error); ``exclude`` holds the ones already tried.
     """
     skip = set(exclude)
-    candidates = [u for u in upstreams if u.id not in skip] if skip else list(upstreams)
+    candidates = [u for u in upstreams if u.id not in skip] if skip else upstreams
     if not candidates:
         return None
-    healthy = [u for u in candidates if ejected_until.get(u.id, 0.0) <= now]
-    pool = healthy or candidates
+    pool = candidates
+    if ejected_until:
+        pool = [u for u in candidates if ejected_until.get(u.id, 0.0) <= now] or candidates
     matches = placement.matches
-    held = any(matches.get(u.id, 0) for u in pool)
+    held = bool(matches) and any(matches.get(u.id, 0) for u in pool)
     if placement.affinity is not None:
         order, outcome = rendezvous(placement.affinity, pool), AFFINITY
     elif held and placement.share >= CACHE_WORTH:
@@ -203,11 +205,12 @@ def choose_cached(
                 if predicted:
                     return Choice(upstream, CACHED, predicted)
                 return Choice(upstream, COLD if rank == 0 else SPILLED, 0, placed=not held)
-    total = sum(outstanding.get(u.id, 0) for u in pool)
-    weight = sum(u.weight for u in pool)
+    counts = [outstanding.get(u.id, 0) for u in order]
+    total = sum(counts)
+    weight = sum([u.weight for u in order])
     slack = bounds.hot_slack if placement.hot else bounds.slack
     for rank, upstream in enumerate(order):
-        if outstanding.get(upstream.id, 0) < bound_of(
+        if counts[rank] < slack or counts[rank] < bound_of(
             upstream, total, weight, slack, bounds.factor
         ):
             return Choice(upstream, outcome if rank == 0 else SPILLED, matches.get(upstream.id, 0))

@@ -74,10 +74,11 @@ class PrefillRate:
     their bytes over their times are the rate if they are large enough for the fixed part to
     matter little (``RATE_ALONE_BYTES``), else it is not known yet."""
 
-    __slots__ = ("_n", "_x", "_xx", "_xy", "_y")
+    __slots__ = ("_n", "_x", "_xx", "_xy", "_y", "value")
 
     def __init__(self) -> None:
         self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self.value: float | None = None  # worked out once a sample, read on every request
 
     def learn(self, prefilled: float, seconds: float) -> None:
         if prefilled <= 0 or not 0 < seconds < MAX_SAMPLE_S:
@@ -88,9 +89,9 @@ class PrefillRate:
         self._y = self._y * decay + seconds
         self._xx = self._xx * decay + prefilled * prefilled
         self._xy = self._xy * decay + prefilled * seconds
+        self.value = self._fit()
 
-    @property
-    def value(self) -> float | None:
+    def _fit(self) -> float | None:
         n, x, y = self._n, self._x, self._y
         if n <= 0 or y <= 0:
             return None
@@ -130,6 +131,10 @@ class Loads:
         self._queued: dict[str, dict[Hold, None]] = {}  # awaiting, oldest first
         self._answered_at: dict[str, float] = {}  # each upstream's last first byte
         self.rates: dict[str, PrefillRate] = {}
+        self._mean_rate: float | None = None  # of the upstreams whose rate is known
+        # The prefill each upstream had queued (bytes) at the last reading of the loads.
+        self._backlogs: dict[str, float] = {}
+        self._backlogs_at = -1.0
         self.in_flight: dict[int, int] = {}  # requests held per prefix (or session) key
         self.flying = 0  # requests held with a key
         self.board: Board | None = None
@@ -187,22 +192,23 @@ class Loads:
         column = self._columns.get(uid)
         if board is None or column is None:
             return
+        queued = self._queued.get(uid)
         board.write(
             column,
             self.outstanding.get(uid, 0),
             self.awaiting.get(uid, 0),
             self.pending.get(uid, 0),
+            (next(iter(queued)).sent if queued else 0.0, self._answered_at.get(uid, 0.0)),
         )
-        queued = self._queued.get(uid)
-        oldest = next(iter(queued)).sent if queued else 0.0
-        board.write_times(column, oldest, self._answered_at.get(uid, 0.0))
 
     # --- one request --------------------------------------------------------------------
 
     def acquire(self, upstream_id: str, prefill: int, now: float, key: int | None = None) -> Hold:
         """A request sent to ``upstream_id`` bringing ``prefill`` prompt bytes to prefill; of
-        the prefix (or session) ``key``, if it has one."""
-        hold = Hold(upstream_id, max(0, prefill), now, self._backlog(upstream_id, now), key)
+        the prefix (or session) ``key``, if it has one. The backlog it is queued behind is
+        what the choice just read (``host``), if it read one at this instant."""
+        ahead = self._backlogs.get(upstream_id, 0.0) if now == self._backlogs_at else 0.0
+        hold = Hold(upstream_id, max(0, prefill), now, ahead, key)
         if key is not None:
             self.in_flight[key] = self.in_flight.get(key, 0) + 1
             self.flying += 1
@@ -222,6 +228,8 @@ class Loads:
         if rate is None:
             rate = self.rates[hold.upstream_id] = PrefillRate()
         rate.learn(hold.prefill + hold.ahead, now - hold.sent)
+        known = [v for r in self.rates.values() if (v := r.value) is not None]
+        self._mean_rate = sum(known) / len(known) if known else None
         self._answered_at[hold.upstream_id] = now
         self._write(hold.upstream_id)
 
@@ -261,11 +269,9 @@ class Loads:
         """How fast ``upstream_id`` prefills (bytes a second); for one not heard from yet, the
         mean of the others' (upstreams of one model are mostly alike); None before any."""
         own = self.rates.get(upstream_id)
-        value = own.value if own is not None else None
-        if value is not None:
-            return value
-        known = [v for r in self.rates.values() if (v := r.value) is not None]
-        return sum(known) / len(known) if known else None
+        if own is not None and own.value is not None:
+            return own.value
+        return self._mean_rate
 
     def host(
         self,
@@ -281,55 +287,42 @@ class Loads:
         board = self.board
         held = cached or {}
         if board is None:
-            starts = {
-                uid: self._start(
-                    uid,
-                    self.pending.get(uid, 0),
-                    self._started(uid),
-                    now=now,
-                    size=size,
-                    cached=held,
-                )
-                for uid in upstream_ids
-            }
-            return self.outstanding, starts
-        columns = [self._columns.get(uid, -1) for uid in upstream_ids]
-        counts = board.host(columns, now)
-        host_outstanding: dict[str, int] = {}
-        host_starts: dict[str, float] = {}
-        for i, uid in enumerate(upstream_ids):
-            if columns[i] < 0:  # not on the board: this process's own
-                host_outstanding[uid] = self.outstanding.get(uid, 0)
-                pending, started = self.pending.get(uid, 0), self._started(uid)
-            else:
-                host_outstanding[uid] = counts.outstanding[i]
-                pending, started = counts.pending[i], max(counts.oldest[i], counts.answered[i])
-            host_starts[uid] = self._start(uid, pending, started, now=now, size=size, cached=held)
-        return host_outstanding, host_starts
-
-    def _start(
-        self,
-        uid: str,
-        pending: int,
-        started: float,
-        *,
-        now: float,
-        size: int,
-        cached: Mapping[str, int],
-    ) -> float:
-        rate = self.rate(uid) or DEFAULT_PREFILL_RATE
-        own = max(0, size - cached.get(uid, 0))
-        return (self._left(pending, started, now, rate) + own) / rate
-
-    def _backlog(self, uid: str, now: float) -> float:
-        """The prompt bytes still to prefill ahead of a request sent to ``uid`` now."""
-        rate = self.rate(uid) or DEFAULT_PREFILL_RATE
-        board, column = self.board, self._columns.get(uid, -1)
-        if board is None or column < 0:
-            return self._left(self.pending.get(uid, 0), self._started(uid), now, rate)
-        counts = board.host([column], now)
-        started = max(counts.oldest[0], counts.answered[0])
-        return self._left(counts.pending[0], started, now, rate)
+            host_outstanding: Mapping[str, int] = self.outstanding
+            pendings = [self.pending.get(uid, 0) for uid in upstream_ids]
+            starts = [
+                self._started(uid) if p else 0.0
+                for uid, p in zip(upstream_ids, pendings, strict=True)
+            ]
+        else:
+            columns = [self._columns.get(uid, -1) for uid in upstream_ids]
+            counts = board.host(columns, now)
+            host_outstanding = {}
+            pendings, starts = [], []
+            for i, uid in enumerate(upstream_ids):
+                if columns[i] < 0:  # not on the board: this process's own
+                    host_outstanding[uid] = self.outstanding.get(uid, 0)
+                    pendings.append(self.pending.get(uid, 0))
+                    starts.append(self._started(uid))
+                else:
+                    host_outstanding[uid] = counts.outstanding[i]
+                    pendings.append(counts.pending[i])
+                    starts.append(max(counts.oldest[i], counts.answered[i]))
+        # Each upstream's queue drains at its own rate; the prompt's own part is priced at one
+        # rate for all (their mean), so only what is cached where sets it apart: learned rates
+        # differ a little by chance, and at an idle fleet that must not outweigh the order
+        # every process agrees on.
+        mean = self._mean_rate or DEFAULT_PREFILL_RATE
+        rates = self.rates
+        first_tokens: dict[str, float] = {}
+        backlogs = self._backlogs
+        for uid, pending, started in zip(upstream_ids, pendings, starts, strict=True):
+            own = rates.get(uid)
+            rate = own.value if own is not None and own.value is not None else mean
+            left = self._left(pending, started, now, rate) if pending else 0.0
+            backlogs[uid] = left
+            first_tokens[uid] = left / rate + max(0, size - held.get(uid, 0)) / mean
+        self._backlogs_at = now
+        return host_outstanding, first_tokens
 
     def _started(self, uid: str) -> float:
         """When ``uid``'s engine began on the oldest prefill this process has queued there:

@@ -22,7 +22,7 @@ loses its tail before its head, the order in which vLLM frees a finished request
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -84,12 +84,13 @@ class Mirror:
             depth += 1
         return depth
 
-    def hold(self, keys: Sequence[int], ends: Sequence[int]) -> None:
+    def hold(self, keys: Sequence[int], ends: Sequence[int], known: int = 0) -> None:
         """The upstream is about to hold these blocks (``ends``: where each ends in the
-        prompt): add them, tail first."""
+        prompt): add them, tail first. ``known``: how many of the leading ones this mirror
+        holds already (a prompt that was cached: most of them), only made the most recent."""
         held = self._keys
         added = 0
-        for index in range(len(keys) - 1, -1, -1):
+        for index in range(len(keys) - 1, known - 1, -1):
             key = keys[index]
             if key in held:
                 held.move_to_end(key)
@@ -97,6 +98,18 @@ class Mirror:
                 size = ends[index] - (ends[index - 1] if index else 0)
                 held[key] = size
                 added += size
+        if known:
+            try:  # in one pass in C: a long prompt's head is most of its blocks
+                deque(map(held.move_to_end, reversed(keys[:known])), maxlen=0)
+            except KeyError:  # not all held after all: one at a time
+                for index in range(known - 1, -1, -1):
+                    key = keys[index]
+                    if key in held:
+                        held.move_to_end(key)
+                    else:
+                        size = ends[index] - (ends[index - 1] if index else 0)
+                        held[key] = size
+                        added += size
         self.held += added
         if self.held > self.capacity:
             self._trim()
@@ -174,9 +187,9 @@ class Mirrors:
             return {}
         return matches(self.by_upstream, ids, keys)
 
-    def hold(self, upstream_id: str, keys: tuple[int, ...]) -> None:
+    def hold(self, upstream_id: str, keys: tuple[int, ...], known: int = 0) -> None:
         """``upstream_id`` is about to hold these blocks (no more than a prompt is cut into:
-        a peer's placement may say more)."""
+        a peer's placement may say more), ``known`` of the leading ones held already."""
         if not keys:
             return
         if len(keys) > len(self.ends):
@@ -185,7 +198,7 @@ class Mirrors:
         if mirror is None:
             ceiling = self._ceilings.get(upstream_id, self.default_ceiling)
             mirror = self.by_upstream[upstream_id] = Mirror(ceiling)
-        mirror.hold(keys, self.ends)
+        mirror.hold(keys, self.ends, min(known, len(keys)))
 
     def learn(self, upstream_id: str, predicted: int, confirmed: int) -> Learned:
         """Correct ``upstream_id``'s mirror by what its engine reported it had cached (in

@@ -159,10 +159,11 @@ def _message(message: Any) -> bytes:
     role = message.get("role")
     parts = [role.encode() if isinstance(role, str) else b"", _ROLE_END]
     parts.append(_content(message.get("content")))
-    for extra in _MESSAGE_EXTRAS:
-        value = message.get(extra)
-        if value is not None:
-            parts.append(_ROLE_END + extra.encode() + _ROLE_END + _text(value))
+    if len(message) > 2:  # more than a role and its content (most messages are just those)
+        for extra in _MESSAGE_EXTRAS:
+            value = message.get(extra)
+            if value is not None:
+                parts.append(_ROLE_END + extra.encode() + _ROLE_END + _text(value))
     parts.append(_MESSAGE_END)
     return b"".join(parts)
 

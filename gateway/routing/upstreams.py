@@ -29,11 +29,13 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any
 
 from django.conf import settings
+from django.core.signals import setting_changed
 from django.db import DatabaseError
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
@@ -166,7 +168,7 @@ class Upstreams:
 
     @staticmethod
     def _cache_aware() -> bool:
-        return settings.LLMGW_ROUTING_POLICY == "cache_aware"
+        return routing_settings().cache_aware
 
     def remember(self, table: Table) -> None:
         """Keep what was learned of the caches of the upstreams ``table`` routes to, each
@@ -279,10 +281,12 @@ class Upstreams:
         *,
         blocks: prefix.PromptBlocks = prefix.NO_BLOCKS,
         affinity: int | None = None,
+        now: float | None = None,
     ) -> Choice | None:
         """The upstream for one attempt (``gateway.routing.choice``), its prompt's blocks then
         expected there; by outstanding requests alone under the ``least_outstanding`` policy."""
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         if not self._cache_aware() or len(route.upstreams) < 2:
             upstream = choose(
                 route.upstreams,
@@ -298,9 +302,9 @@ class Upstreams:
         # Hotter than one upstream's fair share: no one upstream can serve it, spread it.
         hot = key is not None and self.loads.hot(key, len(route.upstreams))
         ids = _ids(route)
-        matches = self.mirrors.matches(ids, blocks.keys)
-        if lead is not None and affinity is None and not any(matches.values()):
-            matches = self._home_of(blocks, now) or matches
+        seen = matches = self.mirrors.matches(ids, blocks.keys)
+        if lead is not None and affinity is None and not any(seen.values()):
+            matches = self._home_of(blocks, now) or seen
         # What is predicted cached where, in bytes of the prompt: its share of what the blocks
         # cover (the tail past the last full block is unknown everywhere), and what its prefill
         # would leave to compute at each upstream.
@@ -315,18 +319,14 @@ class Upstreams:
             now,
             starts=starts,
             placement=Placement(lead, affinity, matches, hot, share),
-            bounds=_bounds(
-                settings.LLMGW_ROUTING_LOAD_FACTOR,
-                settings.LLMGW_ROUTING_LOAD_SLACK,
-                settings.LLMGW_ROUTING_COLD_SLACK,
-            ),
+            bounds=routing_settings().bounds,
             exclude=exclude,
             offset=next(self._rotation),
         )
         if choice is not None and choice.placed and lead is not None:
             choice = self._claim_home(route, choice, blocks, exclude=exclude, now=now)
         if choice is not None:
-            self.mirrors.hold(choice.upstream.id, blocks.keys)
+            self.mirrors.hold(choice.upstream.id, blocks.keys, seen.get(choice.upstream.id, 0))
             if self.peers is not None:
                 self.peers.tell(choice.upstream.id, blocks.keys)
         return choice
@@ -360,13 +360,14 @@ class Upstreams:
         affinity: int | None,
         key: int | None,
     ) -> tuple[Choice, Hold] | None:
-        choice = self.choose(route, exclude, blocks=blocks, affinity=affinity)
+        now = time.monotonic()
+        choice = self.choose(route, exclude, blocks=blocks, affinity=affinity, now=now)
         if choice is None:
             return None
         # What its engine will prefill: the prompt less what the choice expected cached there
         # (an estimate in written-out bytes; 0 for a request without a prompt).
         prefill = max(0, blocks.size - blocks.bytes_through(choice.predicted))
-        return choice, self.acquire(choice.upstream, prefill, key)
+        return choice, self.acquire(choice.upstream, prefill, key, now=now)
 
     def _new_to_host(self, route: Route, blocks: prefix.PromptBlocks, affinity: int | None) -> bool:
         """Would the choice place a prompt nobody is known to hold (its first block in no
@@ -432,14 +433,23 @@ class Upstreams:
         size in tokens becomes a mirror's ceiling in blocks (at the next table load)."""
         self.mirrors.token_bytes.learn(blocks.size, prompt_tokens)
 
-    def acquire(self, upstream: Upstream, prefill: int = 0, key: int | None = None) -> Hold:
+    def acquire(
+        self,
+        upstream: Upstream,
+        prefill: int = 0,
+        key: int | None = None,
+        *,
+        now: float | None = None,
+    ) -> Hold:
         """A request is sent to ``upstream``, bringing ``prefill`` prompt bytes for its engine
         to prefill (as the choice expected), of the prefix (or session) ``key``: held there
         until ``release``."""
-        hold = self.loads.acquire(upstream.id, prefill, time.monotonic(), key)
+        if now is None:
+            now = time.monotonic()
+        hold = self.loads.acquire(upstream.id, prefill, now, key)
         if self.outstanding[upstream.id] == 1 and upstream.id.startswith("replica:"):
             last_finished = self._active_at.get(upstream.id, -math.inf)
-            if time.monotonic() - last_finished >= serving.STAMP_EVERY_S:
+            if now - last_finished >= serving.STAMP_EVERY_S:
                 # A replica idle for a while going busy is reported within moments, not at the
                 # next cycle: until then the reconciler could take it for idle. One that
                 # finished a request within the stamp interval is recent use in the store
@@ -573,10 +583,37 @@ class Upstreams:
         return True
 
 
-@functools.lru_cache(maxsize=8)
-def _bounds(factor: float, slack: int, cold_slack: int) -> Bounds:
-    """The settings' bounds, made once (not per request) for the values they have."""
-    return Bounds(float(factor), int(slack), int(cold_slack))
+@dataclass(frozen=True)
+class RoutingSettings:
+    """The ``LLMGW_ROUTING_*`` settings each request reads, read from Django's settings once
+    (each read there costs a microsecond or more), again when one changes (tests)."""
+
+    cache_aware: bool
+    bounds: Bounds
+    block_bytes: int
+    max_blocks: int
+
+
+@functools.cache
+def routing_settings() -> RoutingSettings:
+    return RoutingSettings(
+        cache_aware=settings.LLMGW_ROUTING_POLICY == "cache_aware",
+        bounds=Bounds(
+            float(settings.LLMGW_ROUTING_LOAD_FACTOR),
+            int(settings.LLMGW_ROUTING_LOAD_SLACK),
+            int(settings.LLMGW_ROUTING_COLD_SLACK),
+        ),
+        block_bytes=int(settings.LLMGW_ROUTING_BLOCK_BYTES),
+        max_blocks=int(settings.LLMGW_ROUTING_MAX_BLOCKS),
+    )
+
+
+def _routing_setting_changed(setting: str, **kwargs: Any) -> None:
+    if setting.startswith("LLMGW_ROUTING_"):
+        routing_settings.cache_clear()
+
+
+setting_changed.connect(_routing_setting_changed, dispatch_uid="llmgw-routing-settings")
 
 
 def _give_back(catalog_id: int, taken: bool) -> None:

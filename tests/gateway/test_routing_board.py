@@ -44,10 +44,8 @@ def test_two_processes_read_each_others_loads_the_moment_they_are_written(tmp_pa
         cols_a = a.columns(["replica:1", "replica:2"], NOW)
         cols_b = b.columns(["replica:2", "replica:1", "replica:3"], NOW)
         assert cols_a["replica:1"] == cols_b["replica:1"]  # one upstream, one column
-        a.write(cols_a["replica:1"], 3, 2, 5000)
-        a.write_times(cols_a["replica:1"], NOW - 0.5, NOW - 0.1)
-        b.write(cols_b["replica:1"], 1, 1, 700)
-        b.write_times(cols_b["replica:1"], NOW - 0.2, NOW - 0.3)
+        a.write(cols_a["replica:1"], 3, 2, 5000, (NOW - 0.5, NOW - 0.1))
+        b.write(cols_b["replica:1"], 1, 1, 700, (NOW - 0.2, NOW - 0.3))
         seen = b.host([cols_b["replica:1"], cols_b["replica:3"], -1], NOW)
         assert seen.outstanding == [4, 0, 0]
         assert seen.awaiting == [3, 0, 0]
@@ -64,7 +62,7 @@ def test_a_silent_process_counts_for_nothing_and_its_slot_is_taken_over_zeroed(
 ) -> None:
     silent = open_board(tmp_path, live_pid())
     column = silent.columns(["replica:1"], NOW)["replica:1"]
-    silent.write(column, 7, 7, 9999)
+    silent.write(column, 7, 7, 9999, (0.0, 0.0))
     reader = open_board(tmp_path, os.getpid())
     try:
         assert reader.host([column], NOW).outstanding == [7]
@@ -88,7 +86,7 @@ def test_a_silent_process_counts_for_nothing_and_its_slot_is_taken_over_zeroed(
 def test_a_dead_process_slot_is_taken_over_at_once(tmp_path: Path) -> None:
     dead = open_board(tmp_path, (1 << 22) + 1)  # past the largest pid Linux allows: never alive
     column = dead.columns(["replica:1"], NOW)["replica:1"]
-    dead.write(column, 7, 7, 9999)
+    dead.write(column, 7, 7, 9999, (0.0, 0.0))
     new = open_board(tmp_path, os.getpid())
     try:
         assert new.slot == dead.slot
@@ -101,7 +99,7 @@ def test_a_dead_process_slot_is_taken_over_at_once(tmp_path: Path) -> None:
 def test_a_closed_process_gives_its_slot_back_empty(tmp_path: Path) -> None:
     a = open_board(tmp_path, os.getpid())
     column = a.columns(["replica:1"], NOW)["replica:1"]
-    a.write(column, 2, 1, 100)
+    a.write(column, 2, 1, 100, (0.0, 0.0))
     b = open_board(tmp_path, live_pid())
     a.close()
     try:
@@ -131,7 +129,7 @@ def test_a_registry_entry_goes_to_another_upstream_only_when_long_unused_and_idl
         old = b.columns(window, NOW)
         assert len(set(old.values())) == len(window) and -1 not in old.values()
         assert b.columns([extra], NOW + 1)[extra] == -1  # no room: counted by its process alone
-        b.write(old[window[0]], 1, 0, 0)  # the first still has a request outstanding
+        b.write(old[window[0]], 1, 0, 0, (0.0, 0.0))  # the first still has a request outstanding
         later = NOW + REGISTRY_IDLE_S + 1
         b.columns(window[1:3], later)  # two are still routed to
         taken = b.columns([extra], later)[extra]
@@ -244,7 +242,7 @@ def test_a_damaged_board_is_read_as_nothing_there_never_as_a_failure(
         assert all(0 <= c < board_module.MAX_COUNT for c in counts.outstanding + counts.awaiting)
         found = b.home((12345, 6789), NOW)
         assert found is None or 0 <= found[0] < board_module.UPSTREAMS
-        b.write(column, 1, 1, 10)
+        b.write(column, 1, 1, 10, (0.0, 0.0))
         assert b.host([column], NOW).outstanding[0] in (0, 1)  # 0: no room left for it
     finally:
         b.close()
@@ -297,6 +295,7 @@ def test_the_wait_at_an_upstream_is_its_queued_prefill_less_what_it_has_done() -
     for size in (1_000, 5_000, 9_000) * 3:
         rate.learn(size, size / 50_000)
     first = loads.acquire("r1", 5_000, NOW)
+    loads.host(["r1"], NOW + 0.01)  # the choice reads the loads; the request is held at once
     second = loads.acquire("r1", 5_000, NOW + 0.01)
     assert second.ahead == pytest.approx(5_000 - 500)  # 10 ms of the first done
     _, waits = loads.host(["r1", "r2"], NOW + 0.05)
@@ -324,6 +323,7 @@ def test_the_host_processes_see_each_others_queues_through_the_board(tmp_path: P
         outstanding, waits = own.host(["r1", "r2"], NOW)
         assert outstanding == {"r1": 1, "r2": 0}
         assert waits["r1"] > waits["r2"] == 0.0
+        own.host(["r1"], NOW)
         mine = own.acquire("r1", 2_000, NOW)
         assert mine.ahead == pytest.approx(8_000)  # sent behind the peer's
         peer.release(held)
@@ -371,3 +371,23 @@ def test_a_process_whose_slot_was_taken_over_writes_its_counts_again(tmp_path: P
             other.close()
     finally:
         loads.unshare()
+
+
+def test_at_an_idle_fleet_only_what_is_cached_sets_the_upstreams_apart() -> None:
+    """Learned rates differ a little by chance; with nothing queued, a prompt's first token
+    is priced alike everywhere but for what is cached where, so the order every process
+    agrees on decides, not the noise in each one's rates."""
+    loads = Loads()
+    for uid, rate in (("r1", 50_000), ("r2", 55_000), ("r3", 47_000)):
+        learned = loads.rates[uid] = PrefillRate()
+        for size in (2_000, 9_000, 4_000) * 3:
+            learned.learn(size, size / rate)
+        loads.answered(loads.acquire(uid, 0, NOW), NOW)  # a first byte: the mean is known
+    _, starts = loads.host(["r1", "r2", "r3"], NOW, size=8_000)
+    assert starts["r1"] == starts["r2"] == starts["r3"]
+    _, starts = loads.host(["r1", "r2", "r3"], NOW, size=8_000, cached={"r3": 4_000})
+    assert starts["r3"] < starts["r1"] == starts["r2"]
+    # A queue drains at its upstream's own rate.
+    loads.acquire("r2", 6_000, NOW)
+    _, starts = loads.host(["r1", "r2"], NOW + 0.01, size=8_000)
+    assert starts["r2"] - starts["r1"] == pytest.approx((6_000 - 550) / 55_000, rel=0.02)
