@@ -12,14 +12,14 @@ TEST_STAMP := $(VENV)/.installed-test
 LLAMA_STAMP := $(VENV)/.installed-llamacpp
 
 # Checks and tests run with a throwaway key; `make run` keeps a generated one under var/.
-typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-tracing bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
+typecheck migrations-check pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-routing-model bench-fleet bench-accounting bench-tracing bench-usage: export SECRET_KEY = llmgw-checks-only-not-a-secret
 # The suite starts hundreds of Python processes. Where the environment says not to write
 # bytecode (PYTHONDONTWRITEBYTECODE=1), each of them compiled our modules again as it started
 # (docs/decisions.md, 'bytecode caches in the test passes'), and each pytest process the test
 # modules; the passes keep Python's caches (__pycache__, ignored by git).
 pytest-sqlite pytest-postgres pytest-llamacpp-sqlite pytest-llamacpp-postgres: export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: proto dist run test venv audit lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-fleet bench-accounting bench-tracing bench-usage bench-agent-servers profile clean
+.PHONY: proto dist run test venv audit lint typecheck migrations-check pytest pytest-sqlite pytest-postgres pytest-llamacpp pytest-llamacpp-sqlite pytest-llamacpp-postgres bench bench-routing bench-routing-model bench-fleet bench-accounting bench-tracing bench-usage bench-agent-servers profile clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -134,6 +134,11 @@ bench: $(RUN_STAMP)
 # A few minutes; BENCH_ROUTING_ARGS="--quick", "--workload shared", "--target llmgw" ...
 bench-routing: $(RUN_STAMP)
 	$(PY) -m bench.routing $(BENCH_ROUTING_ARGS)
+
+# The same engines and workloads in virtual time (seconds, no machine noise, no router time):
+# for trying a change of routing before measuring it with bench-routing.
+bench-routing-model: $(RUN_STAMP)
+	DJANGO_SETTINGS_MODULE=llmgw_site.settings $(PY) -m bench.routing.model $(BENCH_ROUTING_ARGS)
 
 # The control plane at fleet scale (1,000 simulated nodes, PostgreSQL + Redis); about 15
 # minutes with the default hour-slope sample of 10 minutes. BENCH_FLEET_ARGS=--duration 60 ...

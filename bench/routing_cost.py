@@ -112,7 +112,7 @@ def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
                 choice, hold = taken
                 upstreams.answered(hold)
                 upstreams.release(hold)
-                upstreams.learn(choice.upstream, blocks, choice.predicted, 6000, 8000)
+                upstreams.placer.learn(choice.upstream, blocks, choice.predicted, 6000, 8000)
             else:
                 taken = upstreams.take(route)
                 assert taken is not None

@@ -47,7 +47,16 @@ from bench.routing.sims import (
     start_sims,
 )
 from bench.routing.targets import TARGETS, Running, Target, ensure_sglang_router
-from bench.routing.workloads import FULL, QUICK, RATES, WORKLOADS, Client, Run, Size
+from bench.routing.workloads import (
+    FULL,
+    MORE_WORKLOADS,
+    QUICK,
+    RATES,
+    WORKLOADS,
+    Client,
+    Run,
+    Size,
+)
 from tests.harness.procs import REPO_ROOT
 
 WORK = REPO_ROOT / "var" / "bench-routing"
@@ -119,7 +128,7 @@ async def measure(
         peaks = [0.0] * len(sims.urls)
         sampler = asyncio.create_task(sample_waiting(session, sims.urls, peaks))
         try:
-            run = await WORKLOADS[workload](client.chat, size)
+            run = await (WORKLOADS | MORE_WORKLOADS)[workload](client.chat, size)
         finally:
             sampler.cancel()
         after = await scrape(session, sims.urls)
@@ -284,9 +293,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--workload",
         action="append",
-        choices=list(WORKLOADS),
+        choices=list(WORKLOADS | MORE_WORKLOADS),
         default=[],
-        help="only this workload (repeatable)",
+        help="only this workload (repeatable; the default is the four with goals)",
     )
     parser.add_argument(
         "--target",

@@ -17,6 +17,17 @@ pseudo-words (the sim counts a word as a token), so every target gets the very s
   of what four replicas prefill.
 - ``hot-prefix``: one 1,500-token prefix for every request, open loop at twice what one replica
   decodes at its full batch: a router that keeps the prefix on one replica queues there.
+
+Three more, run when named (``--workload``), no goal of BENCHMARK.md on them: shapes a router
+by the cache can get wrong where the four above do not look.
+
+- ``preamble``: one short preamble (250 tokens) before a document of each request's own (1,500
+  tokens), open loop at 60% of what the replicas prefill: a router that follows the preamble
+  piles every request onto one replica;
+- ``short-chat``: 200 chats of six short turns (20-word questions, 30-token answers) under one
+  60-token system prompt, 48 at a time: prompts of a few hundred bytes;
+- ``mixed``: four system prompts of 3,000 tokens and sixteen of 400, each request one of them
+  and a question, closed loop of 48 clients: homes of very different weights.
 """
 
 from __future__ import annotations
@@ -186,8 +197,23 @@ HOT_PROMPT_TOKENS = 1_500
 HOT_ANSWER_TOKENS = 48
 # Twice what one replica finishes at its full batch (cached prefix: decode bound).
 HOT_RATE = 2 * MAX_NUM_SEQS / (HOT_ANSWER_TOKENS * step_ms(MAX_NUM_SEQS) / 1000)
+PREAMBLE_TOKENS = 250
+PREAMBLE_DOCUMENT_TOKENS = 1_500
+# 60% of what four replicas prefill, as for no sharing.
+PREAMBLE_RATE = 0.6 * REPLICAS * PREFILL_TOKENS_PER_S / (PREAMBLE_TOKENS + PREAMBLE_DOCUMENT_TOKENS)
+SHORT_SYSTEM_TOKENS = 60
+SHORT_ANSWER_TOKENS = 30
+SHORT_CHATS_AT_ONCE = 48
+MIXED_ANSWER_TOKENS = 32
+MIXED_CLIENTS = 48
 
 Send = Callable[[list[Message], int], Awaitable[Outcome]]
+
+
+def now() -> float:
+    """The running loop's clock: what a workload paces and times itself by (on a loop of
+    virtual time, ``bench/routing/model.py``'s, it is that time)."""
+    return asyncio.get_running_loop().time()
 
 
 @dataclass
@@ -207,9 +233,9 @@ async def closed_loop(send: Send, calls: list[tuple[list[Message], int]], client
         for messages, max_tokens in queue:
             run.outcomes.append(await send(messages, max_tokens))
 
-    started = time.perf_counter()
+    started = now()
     await asyncio.gather(*(client() for _ in range(clients)))
-    run.seconds = time.perf_counter() - started
+    run.seconds = now() - started
     return run
 
 
@@ -223,17 +249,17 @@ async def open_loop(
     async def one(messages: list[Message], max_tokens: int) -> None:
         run.outcomes.append(await send(messages, max_tokens))
 
-    started = time.perf_counter()
+    started = now()
     due = started
     tasks = []
     for messages, max_tokens in calls:
         due += rng.expovariate(rate)
-        delay = due - time.perf_counter()
+        delay = due - now()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(messages, max_tokens)))
     await asyncio.gather(*tasks)
-    run.seconds = time.perf_counter() - started
+    run.seconds = now() - started
     return run
 
 
@@ -276,9 +302,9 @@ async def multi_turn(send: Send, size: Size) -> Run:
                     return  # a session whose turn failed ends there, as a user would leave
                 history.append({"role": "assistant", "content": outcome.answer})
 
-    started = time.perf_counter()
+    started = now()
     await asyncio.gather(*(session(opening, questions) for opening, questions in sessions))
-    run.seconds = time.perf_counter() - started
+    run.seconds = now() - started
     return run
 
 
@@ -304,10 +330,68 @@ async def hot_prefix(send: Send, size: Size) -> Run:
     return await open_loop(send, calls, HOT_RATE, seed=4)
 
 
+async def preamble(send: Send, size: Size) -> Run:
+    words = Words(seed=11)
+    opening = "You answer from the document. " + words.text(PREAMBLE_TOKENS)
+    calls = []
+    for n in range(size.no_sharing_requests):
+        document = f"Document {n}. " + words.text(PREAMBLE_DOCUMENT_TOKENS)
+        messages = [
+            {"role": "system", "content": opening},
+            {"role": "user", "content": document + " " + words.question()},
+        ]
+        calls.append((messages, NO_SHARING_ANSWER_TOKENS))
+    return await open_loop(send, calls, PREAMBLE_RATE, seed=11)
+
+
+async def short_chat(send: Send, size: Size) -> Run:
+    words = Words(seed=12)
+    system = "You are a terse assistant. " + words.text(SHORT_SYSTEM_TOKENS)
+    run = Run()
+    gate = asyncio.Semaphore(SHORT_CHATS_AT_ONCE)
+
+    async def chat(n: int) -> None:
+        async with gate:
+            history: list[Message] = [{"role": "system", "content": system}]
+            for _ in range(TURNS):
+                history.append({"role": "user", "content": f"Chat {n}. " + words.question(20)})
+                outcome = await send(list(history), SHORT_ANSWER_TOKENS)
+                run.outcomes.append(outcome)
+                if not outcome.ok:
+                    return
+                history.append({"role": "assistant", "content": outcome.answer})
+
+    started = now()
+    await asyncio.gather(*(chat(n) for n in range(size.sessions * 2)))
+    run.seconds = now() - started
+    return run
+
+
+async def mixed(send: Send, size: Size) -> Run:
+    words = Words(seed=13)
+    prompts = [f"Long {n}. " + words.text(3_000) for n in range(4)]
+    prompts += [f"Short {n}. " + words.text(400) for n in range(16)]
+    calls = []
+    for _ in range(size.shared_requests):
+        system = prompts[words.rng.randrange(len(prompts))]
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": words.question()},
+        ]
+        calls.append((messages, MIXED_ANSWER_TOKENS))
+    return await closed_loop(send, calls, MIXED_CLIENTS)
+
+
 WORKLOADS: dict[str, Callable[[Send, Size], Awaitable[Run]]] = {
     "shared": shared,
     "multi-turn": multi_turn,
     "no-sharing": no_sharing,
     "hot-prefix": hot_prefix,
 }
-RATES = {"no-sharing": NO_SHARING_RATE, "hot-prefix": HOT_RATE}
+# Run when named, no goal on them (module docstring).
+MORE_WORKLOADS: dict[str, Callable[[Send, Size], Awaitable[Run]]] = {
+    "preamble": preamble,
+    "short-chat": short_chat,
+    "mixed": mixed,
+}
+RATES = {"no-sharing": NO_SHARING_RATE, "hot-prefix": HOT_RATE, "preamble": PREAMBLE_RATE}

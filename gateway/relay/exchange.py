@@ -39,8 +39,9 @@ from gateway.relay.upstream_client import Pool
 from gateway.routing import prefix
 from gateway.routing.choice import Choice, affinity_of
 from gateway.routing.loads import Hold
+from gateway.routing.placing import routing_settings
 from gateway.routing.table import Route, Upstream
-from gateway.routing.upstreams import routing_settings, upstreams
+from gateway.routing.upstreams import upstreams
 from telemetry import metrics, tracing
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class Exchange:
                 recorder.note_clamped(usage, tokens.clamped)
         if tokens is not None and source == counting.ENGINE and self.blocks.keys:
             if not tokens.clamped:  # a count out of range says nothing about this prompt
-                upstreams.measure(self.blocks, tokens.prompt)
+                upstreams.placer.measure(self.blocks, tokens.prompt)
         if tokens is not None and tokens.cached_reported and self.served_by is not None:
             self._learn(self.served_by, tokens)
         # The catalog's name, never the client's string: clients cannot grow the label set.
@@ -225,7 +226,7 @@ class Exchange:
         assert self.route is not None
         prediction = None
         if self.blocks.keys:
-            learned = upstreams.learn(
+            learned = upstreams.placer.learn(
                 upstream, self.blocks, self.predicted, tokens.cached, tokens.prompt
             )
             prediction = learned.outcome

@@ -183,7 +183,7 @@ class Board:
         for slot in range(SLOTS):
             pid = self._slots_u32[slot * 4]
             heard = self._slots_f64[slot * 2 + 1]
-            if pid and pid != self.pid and now - heard < SLOT_STALE_S and _alive(pid):
+            if pid and pid != self.pid and now - heard < SLOT_STALE_S and process_alive(pid):
                 continue
             self._zero_slot(slot)
             self._slots_u32[slot * 4] = self.pid
@@ -447,7 +447,8 @@ def _locked(fd: int) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process has ``pid`` (one we may not signal is alive)."""
     if not 0 < pid <= MAX_PID:  # no process has it (a damaged slot's pid)
         return False
     try:

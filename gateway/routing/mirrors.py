@@ -88,9 +88,20 @@ class Mirror:
         """The upstream is about to hold these blocks (``ends``: where each ends in the
         prompt): add them, tail first. ``known``: how many of the leading ones this mirror
         holds already (a prompt that was cached: most of them), only made the most recent."""
+        self._add(keys, ends, known, len(keys))
+        if known:
+            try:  # in one pass in C: a long prompt's head is most of its blocks
+                deque(map(self._keys.move_to_end, reversed(keys[:known])), maxlen=0)
+            except KeyError:  # not all held after all: one at a time
+                self._add(keys, ends, 0, known)
+        if self.held > self.capacity:
+            self._trim()
+
+    def _add(self, keys: Sequence[int], ends: Sequence[int], start: int, stop: int) -> None:
+        """Blocks ``start`` to ``stop`` of a prompt, the last first."""
         held = self._keys
         added = 0
-        for index in range(len(keys) - 1, known - 1, -1):
+        for index in range(stop - 1, start - 1, -1):
             key = keys[index]
             if key in held:
                 held.move_to_end(key)
@@ -98,21 +109,7 @@ class Mirror:
                 size = ends[index] - (ends[index - 1] if index else 0)
                 held[key] = size
                 added += size
-        if known:
-            try:  # in one pass in C: a long prompt's head is most of its blocks
-                deque(map(held.move_to_end, reversed(keys[:known])), maxlen=0)
-            except KeyError:  # not all held after all: one at a time
-                for index in range(known - 1, -1, -1):
-                    key = keys[index]
-                    if key in held:
-                        held.move_to_end(key)
-                    else:
-                        size = ends[index] - (ends[index - 1] if index else 0)
-                        held[key] = size
-                        added += size
         self.held += added
-        if self.held > self.capacity:
-            self._trim()
 
     def shrink(self) -> None:
         self.capacity = max(min(FLOOR_BYTES, self.ceiling), int(self.capacity * SHRINK))

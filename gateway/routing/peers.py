@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gateway.routing.board import process_alive
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LGP3"
@@ -230,7 +232,7 @@ class Peers:
             found = _SOCKET_NAME.match(name)
             if found is None or int(found.group(1)) == self.pid:
                 continue
-            if not _alive(int(found.group(1))):
+            if not process_alive(int(found.group(1))):
                 with contextlib.suppress(OSError):
                     os.unlink(self._path(name))  # left by a process that is gone
                 continue
@@ -277,13 +279,3 @@ class Peers:
         if self._dir_fd >= 0:
             os.close(self._dir_fd)
             self._dir_fd = -1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

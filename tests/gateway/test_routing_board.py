@@ -251,7 +251,7 @@ def test_a_damaged_board_is_read_as_nothing_there_never_as_a_failure(
 def test_every_slot_taken_leaves_a_process_to_route_on_its_own_counts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(board_module, "_alive", lambda pid: True)
+    monkeypatch.setattr(board_module, "process_alive", lambda pid: True)
     boards = [open_board(tmp_path, 100_000 + n) for n in range(SLOTS)]
     try:
         assert Board.open(tmp_path, NOW, pid=os.getpid()) is None

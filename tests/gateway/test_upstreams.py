@@ -94,12 +94,12 @@ async def test_what_is_remembered_of_a_replica_follows_the_cache_size_its_engine
     # Engines count eight bytes of this prompt a token: the same cache holds more of it.
     dense = prefix.chain(b"x" * 8192, 1024, 64)
     for _ in range(200):
-        upstreams.measure(dense, 1024)
+        upstreams.placer.measure(dense, 1024)
     await upstreams.refresh()
     assert 70_000 < mirror.ceiling <= 81_920
     # ...and at two bytes a token, less.
     for _ in range(400):
-        upstreams.measure(dense, 4096)
+        upstreams.placer.measure(dense, 4096)
     await upstreams.refresh()
     assert 20_000 <= mirror.ceiling < 25_600
     assert mirror.held <= mirror.ceiling
