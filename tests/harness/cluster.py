@@ -509,9 +509,15 @@ def queued_ticks(redis: RedisServer) -> int:
 
 
 def leader_worker(cluster: Cluster) -> ControlPlane | None:
-    """The control plane whose worker holds the lease (owner ids embed the pid)."""
+    """The control plane whose worker holds the lease, live (owner ids embed the pid). A row
+    past its expiry names nobody: after a store outage the last owner's row is there until
+    the next claim, and taken for a leader it made "one leader stays" compare against a lease
+    nobody held (CI, PostgreSQL pass: ('', 0) then the next claim's owner)."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT owner FROM control_lease WHERE name = 'reconciler'")
+        cursor.execute(
+            "SELECT owner FROM control_lease WHERE name = 'reconciler' "
+            "AND expires_at_ms > llmgw_clock_ms()"
+        )
         row = cursor.fetchone()
     if not row or not row[0]:
         return None
