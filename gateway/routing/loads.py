@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from gateway.routing.board import Board
@@ -131,7 +131,9 @@ class Loads:
         self._queued: dict[str, dict[Hold, None]] = {}  # awaiting, oldest first
         self._answered_at: dict[str, float] = {}  # each upstream's last first byte
         self.rates: dict[str, PrefillRate] = {}
-        self._mean_rate: float | None = None  # of the upstreams whose rate is known
+        self._mean_rate: float | None = None  # of the upstreams whose rate is known...
+        self._rate_sum = 0.0  # ...their sum...
+        self._rates_known = 0  # ...and how many
         # The prefill each upstream had queued (bytes) at the last reading of the loads.
         self._backlogs: dict[str, float] = {}
         self._backlogs_at = -1.0
@@ -161,6 +163,17 @@ class Loads:
         names = {f"{uid}@{generation}": uid for uid, generation in upstreams.items()}
         columns = board.columns(list(names), now)
         self._columns = {names[name]: c for name, c in columns.items() if c >= 0}
+
+    def keep(self, upstream_ids: Iterable[str]) -> None:
+        """What is learned of each upstream is kept for the ones routed to (``upstream_ids``)
+        and those holding requests: replicas come and go, and a process runs for months."""
+        keep = set(upstream_ids) | set(self.outstanding)
+        for learned in (self.rates, self._answered_at, self._backlogs):
+            for uid in [u for u in learned if u not in keep]:
+                del learned[uid]
+        known = [v for r in self.rates.values() if (v := r.value) is not None]
+        self._rate_sum, self._rates_known = sum(known), len(known)
+        self._mean_rate = self._rate_sum / self._rates_known if known else None
 
     def column(self, upstream_id: str) -> int | None:
         """Where ``upstream_id`` is counted on the board (None: not on it)."""
@@ -227,9 +240,12 @@ class Loads:
         rate = self.rates.get(hold.upstream_id)
         if rate is None:
             rate = self.rates[hold.upstream_id] = PrefillRate()
+        was = rate.value
         rate.learn(hold.prefill + hold.ahead, now - hold.sent)
-        known = [v for r in self.rates.values() if (v := r.value) is not None]
-        self._mean_rate = sum(known) / len(known) if known else None
+        if rate.value != was:
+            self._rate_sum += (rate.value or 0.0) - (was or 0.0)
+            self._rates_known += (rate.value is not None) - (was is not None)
+            self._mean_rate = self._rate_sum / self._rates_known if self._rates_known else None
         self._answered_at[hold.upstream_id] = now
         self._write(hold.upstream_id)
 

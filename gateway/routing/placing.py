@@ -106,6 +106,7 @@ class Placer:
         drained or left takes what was learned of its cache along."""
         size = self.mirrors.token_bytes
         self._routed_ids = frozenset(table.upstreams())
+        self.loads.keep(self._routed_ids)
         if self.loads.board is not None:
             routed = {uid: u.generation for uid, u in table.upstreams().items()}
             self.loads.remember(routed, time.monotonic())

@@ -391,3 +391,16 @@ def test_at_an_idle_fleet_only_what_is_cached_sets_the_upstreams_apart() -> None
     loads.acquire("r2", 6_000, NOW)
     _, starts = loads.host(["r1", "r2"], NOW + 0.01, size=8_000)
     assert starts["r2"] - starts["r1"] == pytest.approx((6_000 - 550) / 55_000, rel=0.02)
+
+
+def test_what_is_learned_of_an_upstream_goes_with_it() -> None:
+    loads = Loads()
+    for uid in ("r1", "r2", "r3"):
+        hold = loads.acquire(uid, 5_000, NOW)
+        loads.host([uid], NOW)
+        loads.answered(hold, NOW + 0.1)
+        if uid != "r3":
+            loads.release(hold)  # r3 still holds a request
+    loads.keep(["r1"])  # r2 left the table, r3 too but a request is still held there
+    assert set(loads.rates) == {"r1", "r3"}
+    assert loads.rate("r2") == loads.rate("r1")  # a stranger gets the mean of the known ones
