@@ -1,15 +1,16 @@
 """What routing by the cache costs per request: CPU of one decision for a 32,000-character prompt.
 
-The request path's routing work, as the relay does it: the prompt written out and cut into
-blocks (``gateway.routing.prefix.blocks_of``), the choice and the request held at its upstream
-(``Upstreams.take``: the mirrors' matches, the host's loads read from the board, which prefixes
-are hot, ``gateway.routing.choice.choose_cached``, the blocks then held, the request counted on
-the board), its release, and the engine's report learned (``Upstreams.learn``), against four
-upstreams whose mirrors are warm and whose loads are on a board of the host (as every web
-process has one): eight shared system prompts of ~24,000 characters, each request with a
-unique ~8,000-character question. Beside it, the same under ``least_outstanding`` (load
-alone). Run in a process of its own (it needs Django's settings), in CPU time, the best of a
-few rounds::
+The request path's routing work, as the relay does it. The decision: the prompt written out and
+cut into blocks (``gateway.routing.prefix.blocks_of``), the choice (``Upstreams.choose``: the
+mirrors' matches, the host's loads read from the board, whether the prefix is hot,
+``gateway.routing.choice.choose_cached``, the blocks then held) and the engine's report learned
+(``Placer.learn``). Beside it, the same with the request held at its upstream, as the relay
+holds it (``Upstreams.take``, then its first byte and its end counted on the board: the load
+accounting that routing reads). Against four upstreams whose mirrors are warm and whose loads
+are on a board of the host (every web process has one): eight shared system prompts of ~24,000
+characters, each request with a unique ~8,000-character question; and under
+``least_outstanding`` (load alone). Run in a process of its own (it needs Django's settings),
+in CPU time, the best of a few rounds::
 
     python -m bench.routing_cost
 """
@@ -101,22 +102,25 @@ def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
         "bench", 1, tuple(Upstream(f"replica:{i}", f"http://10.0.0.{i}:8000") for i in range(4))
     )
 
-    def one_round(upstreams: Upstreams, cache_aware: bool) -> float:
+    def one_round(upstreams: Upstreams, cache_aware: bool, hold: bool) -> float:
+        """CPU a request: the decision (with ``hold``, the request also held at its upstream,
+        its first byte and its end counted, as the relay does)."""
         start = time.process_time()
         for i in range(requests):
             body = bodies[i % len(bodies)]
-            if cache_aware:
-                blocks = prefix.blocks_of("chat", body, 1024, 512)
+            blocks = prefix.blocks_of("chat", body, 1024, 512) if cache_aware else prefix.NO_BLOCKS
+            if hold:
                 taken = upstreams.take(route, blocks=blocks, key=blocks.lead)
                 assert taken is not None
-                choice, hold = taken
-                upstreams.answered(hold)
-                upstreams.release(hold)
-                upstreams.placer.learn(choice.upstream, blocks, choice.predicted, 6000, 8000)
+                choice, held = taken
+                upstreams.answered(held)
+                upstreams.release(held)
             else:
-                taken = upstreams.take(route)
-                assert taken is not None
-                upstreams.release(taken[1])
+                chosen = upstreams.choose(route, blocks=blocks)
+                assert chosen is not None
+                choice = chosen
+            if cache_aware:
+                upstreams.placer.learn(choice.upstream, blocks, choice.predicted, 6000, 8000)
         return (time.process_time() - start) / requests * 1e6
 
     out: dict[str, Any] = {"prompt_chars": PROMPT_CHARS, "requests_per_round": requests}
@@ -127,14 +131,19 @@ def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
             assert board is not None
             upstreams.loads.share(board)
             upstreams.loads.remember({u.id: 1 for u in route.upstreams}, time.monotonic())
-            one_round(upstreams, policy == "cache_aware")  # warm the mirrors
+            aware = policy == "cache_aware"
+            one_round(upstreams, aware, hold=True)  # warm the mirrors
             out[policy] = {
                 "cpu_us_per_request": min(
-                    one_round(upstreams, policy == "cache_aware") for _ in range(rounds)
-                )
+                    one_round(upstreams, aware, hold=False) for _ in range(rounds)
+                ),
+                "held_cpu_us_per_request": min(
+                    one_round(upstreams, aware, hold=True) for _ in range(rounds)
+                ),
             }
             upstreams.loads.unshare()
     out["decision_cpu_us"] = out["cache_aware"]["cpu_us_per_request"]
+    out["held_cpu_us"] = out["cache_aware"]["held_cpu_us_per_request"]
     return out
 
 

@@ -126,6 +126,10 @@ class Board:
         self._live: list[int] = []  # the live slots, as last looked at...
         self._live_at = -math.inf  # ...then
 
+    def is_locked(self) -> bool:
+        """Whether this process holds the board's lock now."""
+        return self._depth > 0
+
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the board's lock (``flock``; another process waits, never long): re-entrant in
@@ -271,10 +275,10 @@ class Board:
             self._live_at = now
         return self._live
 
-    def host(self, columns: Sequence[int], now: float) -> HostCounts:
+    def host(self, columns: Sequence[int], now: float, *, others: bool = False) -> HostCounts:
         """The live processes' counts for ``columns`` (-1: an upstream not on the board, all
-        zeros), summed; the oldest send time is the earliest of theirs, the last first byte
-        the latest."""
+        zeros), summed, or with ``others`` those of the processes but this one; the oldest
+        send time is the earliest of theirs, the last first byte the latest."""
         n = len(columns)
         outstanding, awaiting, pending = [0] * n, [0] * n, [0] * n
         oldest, answered = [0.0] * n, [0.0] * n
@@ -285,6 +289,8 @@ class Board:
             if 0 <= column < UPSTREAMS
         ]
         for slot in self.live_slots(now):
+            if others and slot == self.slot:
+                continue
             base = slot * UPSTREAMS * _CELL.size
             for i, at in places:
                 o, a, p, sent, last = unpack(cells, base + at)

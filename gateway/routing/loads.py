@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from gateway.routing.board import Board
+from gateway.routing.board import Board, HostCounts
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ RATE_ALONE_BYTES = 4096.0
 # A prefix is hot where its requests in flight pass one upstream's fair share by more than this
 # many standard deviations of chance (about the square root of the fair share).
 HOT_DEVIATIONS = 3.0
+# The other web processes' counts read from the board are used again for this long: requests
+# are chosen for at every turn of a busy loop; the others' change is seen a moment later (the
+# process's own, at once).
+PEERS_FRESH_S = 0.002
 # Bytes of prompt prefilled a second where no upstream has answered yet: only the order of the
 # upstreams' waits matters then, and every upstream gets the same rate.
 DEFAULT_PREFILL_RATE = 50_000.0
@@ -137,6 +141,7 @@ class Loads:
         # The prefill each upstream had queued (bytes) at the last reading of the loads.
         self._backlogs: dict[str, float] = {}
         self._backlogs_at = -1.0
+        self._peers_view: tuple[float, tuple[str, ...], HostCounts] | None = None
         self.in_flight: dict[int, int] = {}  # requests held per prefix (or session) key
         self.flying = 0  # requests held with a key
         self.board: Board | None = None
@@ -300,29 +305,29 @@ class Loads:
         which ``cached`` bytes are predicted cached there, would take to its first token: the
         prefill queued ahead of it and its own uncached part (seconds). The host's where the
         board is shared, else this process's."""
-        board = self.board
         held = cached or {}
-        if board is None:
-            host_outstanding: Mapping[str, int] = self.outstanding
-            pendings = [self.pending.get(uid, 0) for uid in upstream_ids]
+        own_outstanding, pending_own = self.outstanding, self.pending
+        peers = self._peers(upstream_ids, now)
+        if peers is None:
+            host_outstanding: Mapping[str, int] = own_outstanding
+            pendings = [pending_own.get(uid, 0) for uid in upstream_ids]
             starts = [
                 self._started(uid) if p else 0.0
                 for uid, p in zip(upstream_ids, pendings, strict=True)
             ]
         else:
-            columns = [self._columns.get(uid, -1) for uid in upstream_ids]
-            counts = board.host(columns, now)
+            # This process's own counts as they are, the others' as the board showed them.
             host_outstanding = {}
             pendings, starts = [], []
             for i, uid in enumerate(upstream_ids):
-                if columns[i] < 0:  # not on the board: this process's own
-                    host_outstanding[uid] = self.outstanding.get(uid, 0)
-                    pendings.append(self.pending.get(uid, 0))
-                    starts.append(self._started(uid))
-                else:
-                    host_outstanding[uid] = counts.outstanding[i]
-                    pendings.append(counts.pending[i])
-                    starts.append(max(counts.oldest[i], counts.answered[i]))
+                host_outstanding[uid] = own_outstanding.get(uid, 0) + peers.outstanding[i]
+                pendings.append(pending_own.get(uid, 0) + peers.pending[i])
+                queued = self._queued.get(uid)
+                oldest = next(iter(queued)).sent if queued else 0.0
+                if peers.oldest[i] and (not oldest or peers.oldest[i] < oldest):
+                    oldest = peers.oldest[i]
+                answered = max(self._answered_at.get(uid, 0.0), peers.answered[i])
+                starts.append(max(oldest, answered))
         # Each upstream's queue drains at its own rate; the prompt's own part is priced at one
         # rate for all (their mean), so only what is cached where sets it apart: learned rates
         # differ a little by chance, and at an idle fleet that must not outweigh the order
@@ -339,6 +344,28 @@ class Loads:
             first_tokens[uid] = left / rate + max(0, size - held.get(uid, 0)) / mean
         self._backlogs_at = now
         return host_outstanding, first_tokens
+
+    def _peers(self, upstream_ids: Sequence[str], now: float) -> HostCounts | None:
+        """The host's other web processes' counts for ``upstream_ids`` from the board (None
+        without one), as read within the last PEERS_FRESH_S: a request is chosen for at every
+        turn of a busy loop, and reading the others' slots each time costs more than the
+        choice itself. Under the board's lock (a new prompt's placement) always read now."""
+        board = self.board
+        if board is None:
+            return None
+        key = tuple(upstream_ids)
+        view = self._peers_view
+        if (
+            view is not None
+            and view[1] == key
+            and 0.0 <= now - view[0] < PEERS_FRESH_S
+            and not board.is_locked()
+        ):
+            return view[2]
+        columns = [self._columns.get(uid, -1) for uid in upstream_ids]
+        counts = board.host(columns, now, others=True)
+        self._peers_view = (now, key, counts)
+        return counts
 
     def _started(self, uid: str) -> float:
         """When ``uid``'s engine began on the oldest prefill this process has queued there:

@@ -21,7 +21,7 @@ from gateway.routing.board import (
     SLOTS,
     Board,
 )
-from gateway.routing.loads import Loads, PrefillRate
+from gateway.routing.loads import PEERS_FRESH_S, Loads, PrefillRate
 
 NOW = 10_000.0
 
@@ -326,9 +326,19 @@ def test_the_host_processes_see_each_others_queues_through_the_board(tmp_path: P
         own.host(["r1"], NOW)
         mine = own.acquire("r1", 2_000, NOW)
         assert mine.ahead == pytest.approx(8_000)  # sent behind the peer's
+        assert own.host(["r1"], NOW)[0] == {"r1": 2}  # its own, at once
         peer.release(held)
+        # The others' counts are read again once PEERS_FRESH_S has passed (or at once under
+        # the board's lock, where a new prompt is placed).
+        assert own.host(["r1"], NOW + 0.001)[0] == {"r1": 2}
+        assert own.host(["r1"], NOW + PEERS_FRESH_S)[0] == {"r1": 1}
+        peer.acquire("r1", 1_000, NOW + PEERS_FRESH_S)
+        board = own.board
+        assert board is not None
+        with board.locked():
+            assert own.host(["r1"], NOW + PEERS_FRESH_S)[0] == {"r1": 2}
         own.release(mine)
-        assert own.host(["r1"], NOW)[0] == {"r1": 0}
+        assert own.host(["r1"], NOW + PEERS_FRESH_S)[0] == {"r1": 1}
     finally:
         own.unshare()
         peer.unshare()
