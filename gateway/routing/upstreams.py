@@ -5,10 +5,11 @@ a consistent snapshot with no query. It reloads every ``LLMGW_ROUTING_REFRESH`` 
 once when this process saves a routing row (Django signals), and four times as often while a
 request waits for a cold model. Other processes see a change within one refresh interval.
 
-Outstanding-request counts and ejections are per process: each web process counts the
-requests it holds (``gateway.routing.loads``), and the web processes of one host share theirs
-on the host's board (``gateway.routing.board``), so routing by the cache judges the host's
-load; they tell each other their placements too (``gateway.routing.peers``). What the
+Routing by the cache is ``gateway.routing.placing``'s; this holds a request at its upstream
+(``take``: chosen and held in one step). Outstanding-request counts and ejections are per
+process: each web process counts the requests it holds (``gateway.routing.loads``), and the
+web processes of one host share theirs on the host's board (``gateway.routing.board``), so
+routing by the cache judges the host's load. What the
 control plane needs of them is reported off the request path by the same background task:
 requests in flight per replica (as a heartbeat, whenever the set of busy replicas changed since
 the last report, and at once when a replica idle for a while goes busy) and when each replica
