@@ -231,6 +231,3 @@ class Mirrors:
             mirror = self.by_upstream.get(uid)
             if mirror is not None:
                 mirror.resize(ceiling or self.default_ceiling)
-
-    def blocks_held(self) -> int:
-        return sum(len(m) for m in self.by_upstream.values())
