@@ -187,75 +187,61 @@ class LeastOutstanding(Router):
 
 
 class Llmgw(Router):
-    """The gateway's routing by the cache, its own modules, as one web process runs them."""
+    """The gateway's routing by the cache, as one web process runs it (``Placer``: its very
+    choice, loads and learning)."""
 
     def __init__(self, engines: Sequence[Engine], loop: VirtualLoop) -> None:
-        from gateway.routing.choice import Bounds
-        from gateway.routing.loads import Loads
-        from gateway.routing.mirrors import Mirrors
-        from gateway.routing.table import Upstream
+        from gateway.routing.placing import Placer, routing_settings
+        from gateway.routing.table import Route, Upstream
 
         super().__init__(engines, loop)
-        self.upstreams = tuple(Upstream(f"static:sim{i}", "") for i in range(len(engines)))
-        self.ids = [u.id for u in self.upstreams]
-        self.block_bytes, self.max_blocks = 1024, 512  # the settings' defaults
-        self.mirrors = Mirrors(8 << 20, self.block_bytes, self.max_blocks)
-        cache_tokens = (sims.KV_BLOCKS - 1) * sims.BLOCK_SIZE  # as the agents report it
-        self.cache_tokens = cache_tokens
-        self.loads = Loads()
-        self.bounds = Bounds()
+        upstreams = tuple(Upstream(f"static:sim{i}", "") for i in range(len(engines)))
+        self.route = Route(sims.MODEL, None, upstreams)
+        self.ids = [u.id for u in upstreams]
+        self.placer = Placer()
+        self.knobs = routing_settings()
+        self.cache_tokens = (sims.KV_BLOCKS - 1) * sims.BLOCK_SIZE  # as the agents report it
         self.outcomes: dict[str, int] = {}
         self._turn = itertools.count()
 
     def pick(self, messages: list[Message]) -> tuple[int, Any]:
         from gateway.routing import prefix
-        from gateway.routing.choice import Placement, choose_cached
 
-        now = self.loop.time()
+        placer = self.placer
         # What a table load does: each mirror bounded by its engine's cache, in bytes.
-        ceiling = self.mirrors.token_bytes.bytes(self.cache_tokens)
-        self.mirrors.retain({uid: (1, ceiling) for uid in self.ids})
-        blocks = prefix.blocks_of("chat", {"messages": messages}, self.block_bytes, self.max_blocks)
-        lead = blocks.lead
-        hot = lead is not None and self.loads.hot(lead, len(self.ids))
-        matches = self.mirrors.matches(self.ids, blocks.keys)
-        cached = {uid: blocks.bytes_through(n) for uid, n in matches.items() if n}
-        keyed = blocks.bytes_through(len(blocks.keys))
-        share = max(cached.values(), default=0) / keyed if keyed else 0.0
-        outstanding, starts = self.loads.host(self.ids, now, blocks.size, cached)
-        choice = choose_cached(
-            self.upstreams,
-            outstanding,
-            {},
-            now,
-            starts=starts,
-            placement=Placement(lead, None, matches, hot, share),
-            bounds=self.bounds,
+        ceiling = placer.mirrors.token_bytes.bytes(self.cache_tokens)
+        placer.mirrors.retain({uid: (1, ceiling) for uid in self.ids})
+        knobs = self.knobs
+        blocks = prefix.blocks_of(
+            "chat", {"messages": messages}, knobs.block_bytes, knobs.max_blocks
+        )
+        choice = placer.choose(
+            self.route,
+            frozenset(),
+            blocks=blocks,
+            affinity=None,
+            ejected_until={},
+            now=self.loop.time(),
             offset=next(self._turn),
         )
         assert choice is not None
         self.outcomes[choice.outcome] = self.outcomes.get(choice.outcome, 0) + 1
-        uid = choice.upstream.id
-        self.mirrors.hold(uid, blocks.keys, matches.get(uid, 0))
-        return self.ids.index(uid), (blocks, choice.predicted)
+        return self.ids.index(choice.upstream.id), (blocks, choice)
 
     def started(self, index: int, context: Any) -> Any:
-        blocks, predicted = context
-        prefill = max(0, blocks.size - blocks.bytes_through(predicted))
-        return self.loads.acquire(self.ids[index], prefill, self.loop.time(), blocks.lead)
+        blocks, choice = context
+        prefill = blocks.uncached(choice.predicted)
+        return self.placer.loads.acquire(self.ids[index], prefill, self.loop.time(), blocks.lead)
 
     def first_token(self, index: int, context: Any, held: Any) -> None:
-        self.loads.answered(held, self.loop.time())
+        self.placer.loads.answered(held, self.loop.time())
 
     def ended(self, index: int, context: Any, held: Any, prompt: int, cached: int) -> None:
-        from gateway.routing import prefix
-
-        blocks, predicted = context
-        self.loads.release(held)
-        self.mirrors.token_bytes.learn(blocks.size, prompt)
+        blocks, choice = context
+        self.placer.loads.release(held)
+        self.placer.measure(blocks, prompt)
         if blocks.keys:
-            confirmed = prefix.covering(blocks, cached, prompt)
-            self.mirrors.learn(self.ids[index], predicted, confirmed)
+            self.placer.learn(choice.upstream, blocks, choice.predicted, cached, prompt)
 
 
 ROUTERS: dict[str, type[Router]] = {

@@ -210,9 +210,7 @@ def choose_cached(
     weight = sum([u.weight for u in order])
     slack = bounds.hot_slack if placement.hot else bounds.slack
     for rank, upstream in enumerate(order):
-        if counts[rank] < slack or counts[rank] < bound_of(
-            upstream, total, weight, slack, bounds.factor
-        ):
+        if counts[rank] < bound_of(upstream, total, weight, slack, bounds.factor):
             return Choice(upstream, outcome if rank == 0 else SPILLED, matches.get(upstream.id, 0))
     # Only with weights that make every share round up past the mean: the least loaded.
     least = choose(pool, outstanding, {}, now, offset=offset)

@@ -74,6 +74,10 @@ class PromptBlocks:
         count = min(count, len(self.keys))
         return self.ends[count - 1] if count > 0 else 0
 
+    def uncached(self, count: int) -> int:
+        """The bytes an engine holding its first ``count`` blocks still has to prefill."""
+        return max(0, self.size - self.bytes_through(count))
+
     def blocks_within(self, size: int) -> int:
         """How many of its blocks end within its first ``size`` bytes."""
         return bisect.bisect_right(self.ends, size, 0, len(self.keys))

@@ -299,7 +299,7 @@ class Upstreams:
             return None
         # What its engine will prefill: the prompt less what the choice expected cached there
         # (an estimate in written-out bytes; 0 for a request without a prompt).
-        prefill = max(0, blocks.size - blocks.bytes_through(choice.predicted))
+        prefill = blocks.uncached(choice.predicted)
         return choice, self.acquire(choice.upstream, prefill, key, now=now)
 
     def acquire(
