@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
@@ -153,11 +153,12 @@ def choose_cached(
     bounds: Bounds,
     exclude: Iterable[str] = (),
     offset: int = 0,
-    starts: Mapping[str, float] | None = None,
+    starts: Mapping[str, float] | Callable[[], Mapping[str, float]] | None = None,
 ) -> Choice | None:
     """The upstream for one request (module docstring), or None when there is no candidate.
     ``starts``: how long the prompt's first token would take at each upstream, the prefill
-    queued ahead of it and its own uncached part (all alike where not given).
+    queued ahead of it and its own uncached part (all alike where not given), or a function
+    that works them out (called only where the cold rule needs them).
 
     Ejected upstreams are skipped while any other remains (then all are candidates: one that
     may have recovered beats a certain error); ``exclude`` holds the ones already tried.
@@ -193,7 +194,7 @@ def choose_cached(
         # talking; the host's processes share one view of the loads, and where one places a
         # new prefix the others follow (its home on the board, then the placement itself in
         # their mirrors), so the next request of the prefix finds it cached.
-        soon = starts or {}
+        soon = (starts() if callable(starts) else starts) or {}
         soonest = min(soon.get(u.id, 0.0) for u in pool)
         level = [u for u in pool if soon.get(u.id, 0.0) <= soonest]
         fewest = min(outstanding.get(u.id, 0) for u in level)

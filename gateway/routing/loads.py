@@ -138,9 +138,6 @@ class Loads:
         self._mean_rate: float | None = None  # of the upstreams whose rate is known...
         self._rate_sum = 0.0  # ...their sum...
         self._rates_known = 0  # ...and how many
-        # The prefill each upstream had queued (bytes) at the last reading of the loads.
-        self._backlogs: dict[str, float] = {}
-        self._backlogs_at = -1.0
         self._peers_view: tuple[float, tuple[str, ...], HostCounts] | None = None
         self.in_flight: dict[int, int] = {}  # requests held per prefix (or session) key
         self.flying = 0  # requests held with a key
@@ -173,7 +170,7 @@ class Loads:
         """What is learned of each upstream is kept for the ones routed to (``upstream_ids``)
         and those holding requests: replicas come and go, and a process runs for months."""
         keep = set(upstream_ids) | set(self.outstanding)
-        for learned in (self.rates, self._answered_at, self._backlogs):
+        for learned in (self.rates, self._answered_at):
             for uid in [u for u in learned if u not in keep]:
                 del learned[uid]
         known = [v for r in self.rates.values() if (v := r.value) is not None]
@@ -223,10 +220,9 @@ class Loads:
 
     def acquire(self, upstream_id: str, prefill: int, now: float, key: int | None = None) -> Hold:
         """A request sent to ``upstream_id`` bringing ``prefill`` prompt bytes to prefill; of
-        the prefix (or session) ``key``, if it has one. The backlog it is queued behind is
-        what the choice just read (``host``), if it read one at this instant."""
-        ahead = self._backlogs.get(upstream_id, 0.0) if now == self._backlogs_at else 0.0
-        hold = Hold(upstream_id, max(0, prefill), now, ahead, key)
+        the prefix (or session) ``key``, if it has one. It is queued behind the host's backlog
+        there, which its first byte's time tells the prefill rate by."""
+        hold = Hold(upstream_id, max(0, prefill), now, self.backlog(upstream_id, now), key)
         if key is not None:
             self.in_flight[key] = self.in_flight.get(key, 0) + 1
             self.flying += 1
@@ -301,49 +297,87 @@ class Loads:
         size: int = 0,
         cached: Mapping[str, int] | None = None,
     ) -> tuple[Mapping[str, int], dict[str, float]]:
-        """Each upstream's outstanding requests, and how long a prompt of ``size`` bytes, of
-        which ``cached`` bytes are predicted cached there, would take to its first token: the
-        prefill queued ahead of it and its own uncached part (seconds). The host's where the
-        board is shared, else this process's."""
-        held = cached or {}
-        own_outstanding, pending_own = self.outstanding, self.pending
+        """Each upstream's outstanding requests (``host_outstanding``) and how long a prompt
+        of ``size`` bytes would take to its first token there (``first_tokens``)."""
+        return (
+            self.host_outstanding(upstream_ids, now),
+            self.first_tokens(upstream_ids, now, size, cached),
+        )
+
+    def host_outstanding(self, upstream_ids: Sequence[str], now: float) -> Mapping[str, int]:
+        """Each upstream's outstanding requests: the host's where the board is shared (this
+        process's own as they are, the others' as the board showed them), else this
+        process's."""
+        own = self.outstanding
         peers = self._peers(upstream_ids, now)
         if peers is None:
-            host_outstanding: Mapping[str, int] = own_outstanding
-            pendings = [pending_own.get(uid, 0) for uid in upstream_ids]
-            starts = [
-                self._started(uid) if p else 0.0
-                for uid, p in zip(upstream_ids, pendings, strict=True)
-            ]
-        else:
-            # This process's own counts as they are, the others' as the board showed them.
-            host_outstanding = {}
-            pendings, starts = [], []
-            for i, uid in enumerate(upstream_ids):
-                host_outstanding[uid] = own_outstanding.get(uid, 0) + peers.outstanding[i]
-                pendings.append(pending_own.get(uid, 0) + peers.pending[i])
-                queued = self._queued.get(uid)
-                oldest = next(iter(queued)).sent if queued else 0.0
-                if peers.oldest[i] and (not oldest or peers.oldest[i] < oldest):
-                    oldest = peers.oldest[i]
-                answered = max(self._answered_at.get(uid, 0.0), peers.answered[i])
-                starts.append(max(oldest, answered))
+            return own
+        return {
+            uid: own.get(uid, 0) + theirs
+            for uid, theirs in zip(upstream_ids, peers.outstanding, strict=True)
+        }
+
+    def first_tokens(
+        self,
+        upstream_ids: Sequence[str],
+        now: float,
+        size: int,
+        cached: Mapping[str, int] | None = None,
+    ) -> dict[str, float]:
+        """How long a prompt of ``size`` bytes, of which ``cached`` bytes are predicted cached
+        at each upstream, would take to its first token there: the host's prefill queued
+        ahead of it and its own uncached part (seconds). The cold rule's reading."""
+        held = cached or {}
+        peers = self._peers(upstream_ids, now)
         # Each upstream's queue drains at its own rate; the prompt's own part is priced at one
         # rate for all (their mean), so only what is cached where sets it apart: learned rates
         # differ a little by chance, and at an idle fleet that must not outweigh the order
         # every process agrees on.
         mean = self._mean_rate or DEFAULT_PREFILL_RATE
-        rates = self.rates
         first_tokens: dict[str, float] = {}
-        backlogs = self._backlogs
-        for uid, pending, started in zip(upstream_ids, pendings, starts, strict=True):
-            own = rates.get(uid)
-            rate = own.value if own is not None and own.value is not None else mean
-            left = self._left(pending, started, now, rate) if pending else 0.0
-            backlogs[uid] = left
+        for i, uid in enumerate(upstream_ids):
+            rate = self.rate(uid) or mean
+            left = self._backlog(uid, now, rate, peers, i)
             first_tokens[uid] = left / rate + max(0, size - held.get(uid, 0)) / mean
-        self._backlogs_at = now
-        return host_outstanding, first_tokens
+        return first_tokens
+
+    def backlog(self, upstream_id: str, now: float) -> float:
+        """The host's prefill queued at ``upstream_id`` and not yet done, in bytes: what a
+        request sent there now waits behind."""
+        rate = self.rate(upstream_id) or DEFAULT_PREFILL_RATE
+        view = self._peers_view
+        if self.board is None:
+            return self._backlog(upstream_id, now, rate, None, -1)
+        if (
+            view is not None
+            and 0.0 <= now - view[0] < PEERS_FRESH_S
+            and upstream_id in view[1]
+            and not self.board.is_locked()
+        ):
+            return self._backlog(upstream_id, now, rate, view[2], view[1].index(upstream_id))
+        column = self._columns.get(upstream_id, -1)
+        counts = self.board.host([column], now, others=True)
+        return self._backlog(upstream_id, now, rate, counts, 0)
+
+    def _backlog(
+        self, uid: str, now: float, rate: float, peers: HostCounts | None, at: int
+    ) -> float:
+        """``uid``'s prefill still ahead (bytes): this process's queue there and, in
+        ``peers`` at index ``at``, the host's other processes', less what the engine has done
+        of it since it began on the oldest (its send, or the last first byte if later)."""
+        pending = self.pending.get(uid, 0)
+        queued = self._queued.get(uid)
+        oldest = next(iter(queued)).sent if queued else 0.0
+        answered = self._answered_at.get(uid, 0.0)
+        if peers is not None:
+            pending += peers.pending[at]
+            theirs = peers.oldest[at]
+            if theirs and (not oldest or theirs < oldest):
+                oldest = theirs
+            answered = max(answered, peers.answered[at])
+        if not pending:
+            return 0.0
+        return self._left(pending, max(oldest, answered), now, rate)
 
     def _peers(self, upstream_ids: Sequence[str], now: float) -> HostCounts | None:
         """The host's other web processes' counts for ``upstream_ids`` from the board (None
@@ -366,13 +400,6 @@ class Loads:
         counts = board.host(columns, now, others=True)
         self._peers_view = (now, key, counts)
         return counts
-
-    def _started(self, uid: str) -> float:
-        """When ``uid``'s engine began on the oldest prefill this process has queued there:
-        when that was sent, or when the one before it ended (a first byte), if later."""
-        queued = self._queued.get(uid)
-        oldest = next(iter(queued)).sent if queued else 0.0
-        return max(oldest, self._answered_at.get(uid, 0.0))
 
     @staticmethod
     def _left(pending: int, started: float, now: float, rate: float) -> float:

@@ -148,13 +148,14 @@ class Placer:
         cached = {uid: blocks.bytes_through(n) for uid, n in matches.items() if n}
         keyed = blocks.bytes_through(len(blocks.keys))
         share = max(cached.values(), default=0) / keyed if keyed else 0.0
-        outstanding, starts = self.loads.host(ids, now, blocks.size, cached)
+        loads = self.loads
         choice = choose_cached(
             route.upstreams,
-            outstanding,
+            loads.host_outstanding(ids, now),
             ejected_until,
             now,
-            starts=starts,
+            # Read only by the cold rule: most requests find their prefix cached.
+            starts=lambda: loads.first_tokens(ids, now, blocks.size, cached),
             placement=Placement(lead, affinity, matches, hot, share),
             bounds=routing_settings().bounds,
             exclude=exclude,
