@@ -142,20 +142,25 @@ class Placer:
         seen = matches = self.mirrors.matches(ids, blocks.keys)
         if lead is not None and affinity is None and not any(seen.values()):
             matches = self._home_of(blocks, now) or seen
-        # What is predicted cached where, in bytes of the prompt: its share of what the blocks
-        # cover (the tail past the last full block is unknown everywhere), and what its prefill
-        # would leave to compute at each upstream.
-        cached = {uid: blocks.bytes_through(n) for uid, n in matches.items() if n}
+        # The longest prefix predicted cached, as a share of what the prompt's blocks cover
+        # (the tail past the last full block is unknown everywhere).
         keyed = blocks.bytes_through(len(blocks.keys))
-        share = max(cached.values(), default=0) / keyed if keyed else 0.0
+        longest = max(matches.values(), default=0)
+        share = blocks.bytes_through(longest) / keyed if keyed else 0.0
         loads = self.loads
+
+        def first_tokens() -> dict[str, float]:
+            # Read only by the cold rule (most requests find their prefix cached): the prompt
+            # bytes predicted cached where, and so what its prefill leaves to compute there.
+            cached = {uid: blocks.bytes_through(n) for uid, n in matches.items() if n}
+            return loads.first_tokens(ids, now, blocks.size, cached)
+
         choice = choose_cached(
             route.upstreams,
             loads.host_outstanding(ids, now),
             ejected_until,
             now,
-            # Read only by the cold rule: most requests find their prefix cached.
-            starts=lambda: loads.first_tokens(ids, now, blocks.size, cached),
+            starts=first_tokens,
             placement=Placement(lead, affinity, matches, hot, share),
             bounds=routing_settings().bounds,
             exclude=exclude,

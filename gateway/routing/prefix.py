@@ -150,11 +150,29 @@ def _chat(messages: Any, tools: Any) -> bytes:
         and messages[lead].get("role") in _SYSTEM_ROLES
     ):
         lead += 1
-    parts = [_message(m) for m in messages[:lead]]
+    parts: list[bytes] = []
+    _messages(parts, messages[:lead] if lead else ())
     if tools:
         parts.append(b"tools" + _ROLE_END + orjson.dumps(tools) + _MESSAGE_END)
-    parts.extend(_message(m) for m in messages[lead:])
+    _messages(parts, messages[lead:] if lead else messages)
     return b"".join(parts)
+
+
+def _messages(parts: list[bytes], messages: list[Any] | tuple[()]) -> None:
+    """Each message's bytes onto ``parts``; a plain one (a role and a text, what most are)
+    without a call of its own: a long chat has dozens on every request."""
+    add = parts.append
+    for message in messages:
+        if type(message) is dict and len(message) == 2:
+            role = message.get("role")
+            content = message.get("content")
+            if type(role) is str and type(content) is str:
+                add(role.encode())
+                add(_ROLE_END)
+                add(content.encode())
+                add(_MESSAGE_END)
+                continue
+        add(_message(message))
 
 
 def _message(message: Any) -> bytes:
