@@ -290,20 +290,6 @@ class Loads:
             return own.value
         return self._mean_rate
 
-    def host(
-        self,
-        upstream_ids: Sequence[str],
-        now: float,
-        size: int = 0,
-        cached: Mapping[str, int] | None = None,
-    ) -> tuple[Mapping[str, int], dict[str, float]]:
-        """Each upstream's outstanding requests (``host_outstanding``) and how long a prompt
-        of ``size`` bytes would take to its first token there (``first_tokens``)."""
-        return (
-            self.host_outstanding(upstream_ids, now),
-            self.first_tokens(upstream_ids, now, size, cached),
-        )
-
     def host_outstanding(self, upstream_ids: Sequence[str], now: float) -> Mapping[str, int]:
         """Each upstream's outstanding requests: the host's where the board is shared (this
         process's own as they are, the others' as the board showed them), else this
@@ -343,20 +329,16 @@ class Loads:
 
     def backlog(self, upstream_id: str, now: float) -> float:
         """The host's prefill queued at ``upstream_id`` and not yet done, in bytes: what a
-        request sent there now waits behind."""
+        request sent there now waits behind (the others' counts as the choice just read them,
+        where it did)."""
         rate = self.rate(upstream_id) or DEFAULT_PREFILL_RATE
-        view = self._peers_view
-        if self.board is None:
+        board = self.board
+        if board is None:
             return self._backlog(upstream_id, now, rate, None, -1)
-        if (
-            view is not None
-            and 0.0 <= now - view[0] < PEERS_FRESH_S
-            and upstream_id in view[1]
-            and not self.board.is_locked()
-        ):
-            return self._backlog(upstream_id, now, rate, view[2], view[1].index(upstream_id))
-        column = self._columns.get(upstream_id, -1)
-        counts = self.board.host([column], now, others=True)
+        fresh = self._fresh_view(now)
+        if fresh is not None and upstream_id in fresh[0]:
+            return self._backlog(upstream_id, now, rate, fresh[1], fresh[0].index(upstream_id))
+        counts = board.host([self._columns.get(upstream_id, -1)], now, others=True)
         return self._backlog(upstream_id, now, rate, counts, 0)
 
     def _backlog(
@@ -388,18 +370,24 @@ class Loads:
         if board is None:
             return None
         key = tuple(upstream_ids)
-        view = self._peers_view
-        if (
-            view is not None
-            and view[1] == key
-            and 0.0 <= now - view[0] < PEERS_FRESH_S
-            and not board.is_locked()
-        ):
-            return view[2]
+        fresh = self._fresh_view(now)
+        if fresh is not None and fresh[0] == key:
+            return fresh[1]
         columns = [self._columns.get(uid, -1) for uid in upstream_ids]
         counts = board.host(columns, now, others=True)
         self._peers_view = (now, key, counts)
         return counts
+
+    def _fresh_view(self, now: float) -> tuple[tuple[str, ...], HostCounts] | None:
+        """The others' counts last read (for which upstreams, and the counts) if they may be
+        used again now: read within PEERS_FRESH_S, and not under the board's lock."""
+        view = self._peers_view
+        board = self.board
+        if view is None or board is None or board.is_locked():
+            return None
+        if not 0.0 <= now - view[0] < PEERS_FRESH_S:
+            return None
+        return view[1], view[2]
 
     @staticmethod
     def _left(pending: int, started: float, now: float, rate: float) -> float:

@@ -21,7 +21,7 @@ from gateway.routing.board import (
     SLOTS,
     Board,
 )
-from gateway.routing.loads import PEERS_FRESH_S, Loads, PrefillRate
+from gateway.routing.loads import DEFAULT_PREFILL_RATE, PEERS_FRESH_S, Loads, PrefillRate
 
 NOW = 10_000.0
 
@@ -295,20 +295,23 @@ def test_the_wait_at_an_upstream_is_its_queued_prefill_less_what_it_has_done() -
     for size in (1_000, 5_000, 9_000) * 3:
         rate.learn(size, size / 50_000)
     first = loads.acquire("r1", 5_000, NOW)
-    loads.host(["r1"], NOW + 0.01)  # the choice reads the loads; the request is held at once
     second = loads.acquire("r1", 5_000, NOW + 0.01)
     assert second.ahead == pytest.approx(5_000 - 500)  # 10 ms of the first done
-    _, waits = loads.host(["r1", "r2"], NOW + 0.05)
+    assert loads.backlog("r1", NOW + 0.01) == pytest.approx(10_000 - 500)
+    waits = loads.first_tokens(["r1", "r2"], NOW + 0.05, 0)
     assert waits["r1"] == pytest.approx((10_000 - 2_500) / 50_000)
     assert waits["r2"] == 0.0
+    # A prompt's own part, less what is cached where, at the mean rate.
+    waits = loads.first_tokens(["r1", "r2"], NOW + 0.05, 5_000, {"r2": 4_000})
+    assert waits["r2"] == pytest.approx(1_000 / 50_000)
     # The first's first byte: the engine began on the second then, not when it was sent.
     loads.answered(first, NOW + 0.1)
-    _, waits = loads.host(["r1"], NOW + 0.11)
+    waits = loads.first_tokens(["r1"], NOW + 0.11, 0)
     assert waits["r1"] == pytest.approx((5_000 - 500) / 50_000, rel=0.01)
     loads.release(first)
     loads.release(second)  # ended without a first byte (a failure): its queue goes too
-    outstanding, waits = loads.host(["r1"], NOW + 0.3)
-    assert waits["r1"] == 0.0 and outstanding.get("r1", 0) == 0
+    assert loads.first_tokens(["r1"], NOW + 0.3, 0)["r1"] == 0.0
+    assert loads.host_outstanding(["r1"], NOW + 0.3).get("r1", 0) == 0
     assert loads.awaiting == {} and loads.pending == {}
 
 
@@ -320,25 +323,29 @@ def test_the_host_processes_see_each_others_queues_through_the_board(tmp_path: P
         own.remember({"r1": 1, "r2": 1}, NOW)
         peer.remember({"r2": 1, "r1": 1}, NOW)
         held = peer.acquire("r1", 8_000, NOW)
-        outstanding, waits = own.host(["r1", "r2"], NOW)
-        assert outstanding == {"r1": 1, "r2": 0}
+        assert own.host_outstanding(["r1", "r2"], NOW) == {"r1": 1, "r2": 0}
+        waits = own.first_tokens(["r1", "r2"], NOW, 0)
         assert waits["r1"] > waits["r2"] == 0.0
-        own.host(["r1"], NOW)
         mine = own.acquire("r1", 2_000, NOW)
         assert mine.ahead == pytest.approx(8_000)  # sent behind the peer's
-        assert own.host(["r1"], NOW)[0] == {"r1": 2}  # its own, at once
+        assert own.host_outstanding(["r1"], NOW) == {"r1": 2}  # its own, at once
         peer.release(held)
         # The others' counts are read again once PEERS_FRESH_S has passed (or at once under
         # the board's lock, where a new prompt is placed).
-        assert own.host(["r1"], NOW + 0.001)[0] == {"r1": 2}
-        assert own.host(["r1"], NOW + PEERS_FRESH_S)[0] == {"r1": 1}
+        assert own.host_outstanding(["r1"], NOW + 0.001) == {"r1": 2}
+        assert own.host_outstanding(["r1"], NOW + PEERS_FRESH_S) == {"r1": 1}
         peer.acquire("r1", 1_000, NOW + PEERS_FRESH_S)
         board = own.board
         assert board is not None
         with board.locked():
-            assert own.host(["r1"], NOW + PEERS_FRESH_S)[0] == {"r1": 2}
+            assert own.host_outstanding(["r1"], NOW + PEERS_FRESH_S) == {"r1": 2}
+            # A request held under the lock is queued behind what the board says now: its
+            # own 2,000 bytes and the peer's new 1,000, less 2 ms of the oldest done at the
+            # rate assumed before any first byte.
+            done = PEERS_FRESH_S * DEFAULT_PREFILL_RATE
+            assert own.backlog("r1", NOW + PEERS_FRESH_S) == pytest.approx(3_000 - done)
         own.release(mine)
-        assert own.host(["r1"], NOW + PEERS_FRESH_S)[0] == {"r1": 1}
+        assert own.host_outstanding(["r1"], NOW + PEERS_FRESH_S) == {"r1": 1}
     finally:
         own.unshare()
         peer.unshare()
@@ -393,13 +400,13 @@ def test_at_an_idle_fleet_only_what_is_cached_sets_the_upstreams_apart() -> None
         for size in (2_000, 9_000, 4_000) * 3:
             learned.learn(size, size / rate)
         loads.answered(loads.acquire(uid, 0, NOW), NOW)  # a first byte: the mean is known
-    _, starts = loads.host(["r1", "r2", "r3"], NOW, size=8_000)
+    starts = loads.first_tokens(["r1", "r2", "r3"], NOW, 8_000)
     assert starts["r1"] == starts["r2"] == starts["r3"]
-    _, starts = loads.host(["r1", "r2", "r3"], NOW, size=8_000, cached={"r3": 4_000})
+    starts = loads.first_tokens(["r1", "r2", "r3"], NOW, 8_000, {"r3": 4_000})
     assert starts["r3"] < starts["r1"] == starts["r2"]
     # A queue drains at its upstream's own rate.
     loads.acquire("r2", 6_000, NOW)
-    _, starts = loads.host(["r1", "r2"], NOW + 0.01, size=8_000)
+    starts = loads.first_tokens(["r1", "r2"], NOW + 0.01, 8_000)
     assert starts["r2"] - starts["r1"] == pytest.approx((6_000 - 550) / 55_000, rel=0.02)
 
 
@@ -407,7 +414,6 @@ def test_what_is_learned_of_an_upstream_goes_with_it() -> None:
     loads = Loads()
     for uid in ("r1", "r2", "r3"):
         hold = loads.acquire(uid, 5_000, NOW)
-        loads.host([uid], NOW)
         loads.answered(hold, NOW + 0.1)
         if uid != "r3":
             loads.release(hold)  # r3 still holds a request
