@@ -221,8 +221,11 @@ class Loads:
     def acquire(self, upstream_id: str, prefill: int, now: float, key: int | None = None) -> Hold:
         """A request sent to ``upstream_id`` bringing ``prefill`` prompt bytes to prefill; of
         the prefix (or session) ``key``, if it has one. It is queued behind the host's backlog
-        there, which its first byte's time tells the prefill rate by."""
-        hold = Hold(upstream_id, max(0, prefill), now, self.backlog(upstream_id, now), key)
+        there, which its first byte's time tells the prefill rate by; one that brings nothing
+        to prefill (no prompt routing knows of) tells nothing of it, and reads no backlog."""
+        prefill = max(0, prefill)
+        ahead = self.backlog(upstream_id, now) if prefill else 0.0
+        hold = Hold(upstream_id, prefill, now, ahead, key)
         if key is not None:
             self.in_flight[key] = self.in_flight.get(key, 0) + 1
             self.flying += 1
