@@ -10,7 +10,9 @@ The order of preference:
    ranked by rendezvous hashing of the session's key;
 2. **cached** -- else, where the prompt's prefix is predicted cached for at least
    ``CACHE_WORTH`` of it, the upstream predicted to hold the longest prefix (among equals the
-   less loaded);
+   less loaded, passing over one whose queued prefill -- the prefix's first computation still
+   running there, say -- would bring the first token later than another by more than
+   ``HOLDER_WAIT_SLACK_S``);
 3. **cold** -- else (nobody is known to hold it, or only a small part of it, say a short
    preamble that many different prompts open with), where its first token would come soonest:
    the upstreams where the prefill queued ahead of it plus its own uncached part would take
@@ -60,6 +62,12 @@ OUTCOMES = (AFFINITY, CACHED, COLD, SPILLED, LEAST_LOADED)
 # saved and no more, weighed against the queues: piled onto one upstream for it, the prompts
 # behind wait longer than the prefill it saves.
 CACHE_WORTH = 0.5
+# Of the upstreams predicted to hold the longest prefix alike, one where the prompt's first
+# token would come more than this much later than at another goes after the others, however
+# lightly loaded: a replica just given a hot prefix is computing it (a full prefill), and a
+# request sent there waits for all of it while another holder answers at once. Small
+# differences (a decode step, a short prompt's prefill) leave the less loaded first.
+HOLDER_WAIT_SLACK_S = 0.010
 
 _MASK = (1 << 64) - 1
 _NOTHING: Mapping[str, int] = MappingProxyType({})
@@ -178,6 +186,8 @@ def choose_cached(
         # The longest prefix first, the less loaded among equals; the table's own order (by
         # id, the same in every process) breaks what is left.
         order = sorted(pool, key=lambda u: (-matches.get(u.id, 0), outstanding.get(u.id, 0)))
+        if len(order) > 1 and matches.get(order[1].id, 0) == matches.get(order[0].id, 0):
+            order = _sooner_holders_first(order, matches, starts)
         outcome = CACHED
     elif placement.lead is not None:
         order, outcome = rendezvous(placement.lead, pool), COLD
@@ -194,7 +204,7 @@ def choose_cached(
         # talking; the host's processes share one view of the loads, and where one places a
         # new prefix the others follow (its home on the board, then the placement itself in
         # their mirrors), so the next request of the prefix finds it cached.
-        soon = (starts() if callable(starts) else starts) or {}
+        soon = _read(starts)
         soonest = min(soon.get(u.id, 0.0) for u in pool)
         level = [u for u in pool if soon.get(u.id, 0.0) <= soonest]
         fewest = min(outstanding.get(u.id, 0) for u in level)
@@ -217,3 +227,36 @@ def choose_cached(
     least = choose(pool, outstanding, {}, now, offset=offset)
     assert least is not None
     return Choice(least, SPILLED, matches.get(least.id, 0))
+
+
+def _read(
+    starts: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
+) -> Mapping[str, float]:
+    """The first-token waits given (worked out now where given as a function)."""
+    return (starts() if callable(starts) else starts) or {}
+
+
+def _sooner_holders_first(
+    order: list[Upstream],
+    matches: Mapping[str, int],
+    starts: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
+) -> list[Upstream]:
+    """``order`` (the longest prefix first, the less loaded among equals) with those of its
+    leading upstreams that hold the longest prefix alike but where the prompt's first token
+    would come more than ``HOLDER_WAIT_SLACK_S`` after the soonest of them moved behind the
+    other holders (each group still in its order)."""
+    soon = _read(starts)
+    if not soon:
+        return order
+    longest = matches.get(order[0].id, 0)
+    holders = 0
+    while holders < len(order) and matches.get(order[holders].id, 0) == longest:
+        holders += 1
+    waits = [soon.get(u.id, 0.0) for u in order[:holders]]
+    latest = min(waits) + HOLDER_WAIT_SLACK_S
+    if max(waits) <= latest:
+        return order
+    tied = order[:holders]
+    sooner = [u for u, wait in zip(tied, waits, strict=True) if wait <= latest]
+    later = [u for u, wait in zip(tied, waits, strict=True) if wait > latest]
+    return sooner + later + order[holders:]

@@ -13,6 +13,7 @@ from gateway.routing.choice import (
     AFFINITY,
     CACHED,
     COLD,
+    HOLDER_WAIT_SLACK_S,
     LEAST_LOADED,
     SPILLED,
     Bounds,
@@ -281,6 +282,38 @@ def test_the_replica_holding_the_longest_prefix_wins() -> None:
 def test_among_replicas_holding_as_much_the_less_loaded_wins() -> None:
     outstanding = {"replica:2": 2, "replica:3": 1}
     assert pick(outstanding, matches={"replica:2": 9, "replica:3": 9})[:2] == ("replica:3", CACHED)
+
+
+def test_among_replicas_holding_as_much_one_still_computing_it_goes_last() -> None:
+    """A hot prefix just spilled to replica 3: it holds the prefix as the mirrors see it, and
+    has the fewest requests, but its first token is a whole prefill away; replica 2 answers
+    at once. A difference within HOLDER_WAIT_SLACK_S (a decode step) leaves the less loaded
+    first, and the waits are not worked out where one replica holds the longest prefix."""
+    outstanding = {"replica:1": 3, "replica:2": 3, "replica:3": 1, "replica:4": 4}
+    matches = {"replica:2": 9, "replica:3": 9, "replica:4": 9}
+    computing = {"replica:2": 0.004, "replica:3": 0.150, "replica:4": 0.004}
+    assert pick(outstanding, matches=matches, starts=computing) == ("replica:2", CACHED, 9)
+    alike = {"replica:2": 0.004, "replica:3": 0.004 + HOLDER_WAIT_SLACK_S / 2, "replica:4": 0.004}
+    assert pick(outstanding, matches=matches, starts=alike) == ("replica:3", CACHED, 9)
+    # Hot, and the holders that answer at once past the mean: the one computing it, which
+    # holds it too, before a replica that would compute it again.
+    crowded = {"replica:1": 0, "replica:2": 9, "replica:3": 1, "replica:4": 8}
+    got = pick(crowded, matches=matches, starts=computing, hot=True)
+    assert got == ("replica:3", SPILLED, 9)
+
+    def never() -> dict[str, float]:
+        raise AssertionError("the waits were worked out for nothing")
+
+    one = choose_cached(
+        FOUR,
+        outstanding,
+        {},
+        0.0,
+        placement=Placement(7, None, {"replica:2": 9, "replica:3": 4}),
+        bounds=BOUNDS,
+        starts=never,
+    )
+    assert one is not None and one.upstream.id == "replica:2"
 
 
 def test_a_replica_past_the_bound_spills_to_the_best_of_the_others() -> None:
