@@ -31,6 +31,7 @@ share by luck alone, and spreading it then computes it on several upstreams for 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -339,8 +340,10 @@ class Loads:
         if board is None:
             return self._backlog(upstream_id, now, rate, None, -1)
         fresh = self._fresh_view(now)
-        if fresh is not None and upstream_id in fresh[0]:
-            return self._backlog(upstream_id, now, rate, fresh[1], fresh[0].index(upstream_id))
+        if fresh is not None:
+            ids, counts = fresh
+            with contextlib.suppress(ValueError):  # not among the upstreams last read
+                return self._backlog(upstream_id, now, rate, counts, ids.index(upstream_id))
         counts = board.host([self._columns.get(upstream_id, -1)], now, others=True)
         return self._backlog(upstream_id, now, rate, counts, 0)
 

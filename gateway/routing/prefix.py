@@ -151,43 +151,34 @@ def _chat(messages: Any, tools: Any) -> bytes:
     ):
         lead += 1
     parts: list[bytes] = []
-    _messages(parts, messages[:lead] if lead else ())
+    _messages(parts, messages[:lead])
     if tools:
         parts.append(b"tools" + _ROLE_END + orjson.dumps(tools) + _MESSAGE_END)
-    _messages(parts, messages[lead:] if lead else messages)
+    _messages(parts, messages[lead:])
     return b"".join(parts)
 
 
-def _messages(parts: list[bytes], messages: list[Any] | tuple[()]) -> None:
-    """Each message's bytes onto ``parts``; a plain one (a role and a text, what most are)
-    without a call of its own: a long chat has dozens on every request."""
+def _messages(parts: list[bytes], messages: list[Any]) -> None:
+    """Each message's bytes onto ``parts`` (its role, its content, the fields the template
+    renders beside them), one list for the whole prompt: a long chat has dozens of messages on
+    every request."""
     add = parts.append
     for message in messages:
-        if type(message) is dict and len(message) == 2:
-            role = message.get("role")
-            content = message.get("content")
-            if type(role) is str and type(content) is str:
-                add(role.encode())
-                add(_ROLE_END)
-                add(content.encode())
-                add(_MESSAGE_END)
-                continue
-        add(_message(message))
-
-
-def _message(message: Any) -> bytes:
-    if not isinstance(message, dict):
-        return orjson.dumps(message) + _MESSAGE_END
-    role = message.get("role")
-    parts = [role.encode() if isinstance(role, str) else b"", _ROLE_END]
-    parts.append(_content(message.get("content")))
-    if len(message) > 2:  # more than a role and its content (most messages are just those)
-        for extra in _MESSAGE_EXTRAS:
-            value = message.get(extra)
-            if value is not None:
-                parts.append(_ROLE_END + extra.encode() + _ROLE_END + _text(value))
-    parts.append(_MESSAGE_END)
-    return b"".join(parts)
+        if not isinstance(message, dict):
+            add(orjson.dumps(message))
+            add(_MESSAGE_END)
+            continue
+        role = message.get("role")
+        add(role.encode() if isinstance(role, str) else b"")
+        add(_ROLE_END)
+        content = message.get("content")
+        add(content.encode() if type(content) is str else _content(content))
+        if len(message) > 2:  # more than a role and its content (most messages are just those)
+            for extra in _MESSAGE_EXTRAS:
+                value = message.get(extra)
+                if value is not None:
+                    add(_ROLE_END + extra.encode() + _ROLE_END + _text(value))
+        add(_MESSAGE_END)
 
 
 def _content(content: Any) -> bytes:

@@ -73,7 +73,6 @@ class Upstreams:
         # of its host's other web processes (the requests it holds at each are its loads).
         self.placer = Placer()
         self.loads = self.placer.loads
-        self.mirrors = self.placer.mirrors
         self.outstanding = self.loads.outstanding
         self.ejected_until: dict[str, float] = {}
         self.waiting: dict[int, int] = {}
@@ -128,7 +127,8 @@ class Upstreams:
         table = await dbthread.in_background(load_table, next(self._versions))
         self.table = table
         self.loaded = True
-        self.remember(table)
+        # What routing by the cache keeps of each upstream goes with those the table dropped.
+        self.placer.remember(table)
         # Wake everyone waiting for a change, and give later waiters a fresh event.
         refreshed, self._refreshed = self._refreshed, asyncio.Event()
         if refreshed is not None:
@@ -137,11 +137,6 @@ class Upstreams:
     @staticmethod
     def _cache_aware() -> bool:
         return routing_settings().cache_aware
-
-    def remember(self, table: Table) -> None:
-        """What routing by the cache keeps of the upstreams ``table`` routes to
-        (``Placer.remember``)."""
-        self.placer.remember(table)
 
     async def _changed(self, within: float) -> None:
         """Wait until the next table load, or ``within`` seconds."""

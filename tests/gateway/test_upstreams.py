@@ -80,16 +80,16 @@ async def test_what_is_remembered_of_a_replica_follows_the_cache_size_its_engine
     await upstreams.refresh()
     keys = tuple(range(400))  # some 1.6 megabytes of prompt in 4 KiB blocks
     for uid in (small, untold):
-        upstreams.mirrors.hold(uid, keys)
+        upstreams.placer.mirrors.hold(uid, keys)
     # 10,240 tokens at the first estimate of four bytes a token: 40 KiB of prompt.
     await Shard.objects.filter(replica=served.replicas[0]).aupdate(cache_tokens=10240)
     await upstreams.refresh()
-    mirror = upstreams.mirrors.by_upstream[small]
+    mirror = upstreams.placer.mirrors.by_upstream[small]
     assert mirror.ceiling == 40960 and 36 * 1024 < mirror.held <= 40960
     assert mirror.depth(keys) == len(mirror), "the head kept"
     # An engine that never said (an older agent) keeps the default bound, and all it held.
-    other = upstreams.mirrors.by_upstream[untold]
-    assert (other.ceiling, len(other)) == (upstreams.mirrors.default_ceiling, 400)
+    other = upstreams.placer.mirrors.by_upstream[untold]
+    assert (other.ceiling, len(other)) == (upstreams.placer.mirrors.default_ceiling, 400)
 
     # Engines count eight bytes of this prompt a token: the same cache holds more of it.
     dense = prefix.chain(b"x" * 8192, 1024, 64)
