@@ -45,6 +45,44 @@ def pytest_configure(config: pytest.Config) -> None:
 
     settings.DATABASES["default"].get("OPTIONS", {}).pop("pool", None)
     settings.PASSWORD_HASHERS = ["tests.harness.passwords.FewRoundsPBKDF2PasswordHasher"]
+    _flush_again_after_a_deadlock()
+
+
+# How many times a transactional test's flush is tried when PostgreSQL picks it as a deadlock's
+# victim.
+FLUSH_TRIES = 3
+
+
+def _flush_again_after_a_deadlock() -> None:
+    """A transactional test's flush truncates every table while the processes a module keeps
+    across its tests (web processes writing usage rows and stamps) may be inside a transaction
+    of their own: PostgreSQL can end either as a deadlock's victim (seen: the usage rows of a
+    burst of 32 requests written as the test ended). Their transaction is theirs to retry (the
+    product does); the flush is tried again here, the test's outcome untouched."""
+    from django.core.management.base import CommandError
+    from django.test import TransactionTestCase
+    from psycopg.errors import DeadlockDetected
+
+    flush = TransactionTestCase._fixture_teardown  # type: ignore[attr-defined]  # private in the stubs
+
+    def deadlocked(error: BaseException | None) -> bool:
+        while error is not None:
+            if isinstance(error, DeadlockDetected):
+                return True
+            error = error.__cause__ or error.__context__
+        return False
+
+    def teardown(self: TransactionTestCase) -> None:
+        for tried in range(1, FLUSH_TRIES + 1):
+            try:
+                flush(self)
+                return
+            except CommandError as error:
+                if tried == FLUSH_TRIES or not deadlocked(error):
+                    raise
+                time.sleep(0.2 * tried)
+
+    TransactionTestCase._fixture_teardown = teardown  # type: ignore[attr-defined]
 
 
 def uses_store(item: pytest.Item) -> bool:
