@@ -25,7 +25,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from control.routing import websocket_urlpatterns  # noqa: E402
 from control.views import health  # noqa: E402
-from gateway.edge.asgi import V1App, imported, send_answer  # noqa: E402
+from gateway.edge.asgi import V1App, imported, prepare, send_answer  # noqa: E402
 from gateway.ledger.recorder import recorder  # noqa: E402
 from gateway.relay import exchange  # noqa: E402
 from gateway.relay.drain import drain  # noqa: E402
@@ -145,16 +145,26 @@ ANSWERS: dict[listeners.Answer, App] = {
 COUNTS_GRACE_S = 10.0
 
 
+# What startup began for /v1 (held here: the loop keeps only a weak reference to a task).
+_preparing: set[asyncio.Task[None]] = set()
+
+
 async def lifespan(receive: Receive, send: Send) -> None:
     """Startup starts this process's tracing, if the environment asks for it (here, in the
-    process that serves: a server may fork its workers after loading the application);
-    everything else starts with the first request. At shutdown, once the server has finished
-    the requests in flight, store the usage rows and counters and export the queued spans now
-    rather than leave them to the interpreter's exit, which a server may skip in its workers."""
+    process that serves: a server may fork its workers after loading the application), and
+    begins what the first ``/v1`` request would otherwise begin and wait for
+    (``gateway.edge.asgi.prepare``), without waiting for it: the process serves at once, and a
+    request that comes meanwhile waits for the same work, not for a second copy. At shutdown,
+    once the server has finished the requests in flight, store the usage rows and counters and
+    export the queued spans now rather than leave them to the interpreter's exit, which a
+    server may skip in its workers."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             tracing.start("web")
+            task = asyncio.get_running_loop().create_task(prepare(), name="llmgw-prepare-v1")
+            _preparing.add(task)
+            task.add_done_callback(_preparing.discard)
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             metrics.write_tallies()

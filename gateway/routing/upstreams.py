@@ -3,7 +3,9 @@
 The table is loaded from the store by a background task and swapped whole, so a request reads
 a consistent snapshot with no query. It reloads every ``LLMGW_ROUTING_REFRESH`` seconds, at
 once when this process saves a routing row (Django signals), and four times as often while a
-request waits for a cold model. Other processes see a change within one refresh interval.
+request waits for a cold model. Other processes see a change within one refresh interval; a
+request for a model the table does not name waits for a load that began after it came
+(``resolve``), so a model just added through another process answers at once.
 
 Routing by the cache is ``gateway.routing.placing``'s; this holds a request at its upstream
 (``take``: chosen and held in one step). Outstanding-request counts and ejections are per
@@ -58,6 +60,13 @@ logger = logging.getLogger(__name__)
 
 # A replica going busy after an idle spell is reported this long after (see _report_shortly).
 BUSY_REPORT_DELAY_S = 0.05
+# A model the table does not name has its request wait for a table load that began after the
+# request came (the model may have been added moments ago, through another process); such
+# loads begin at most this often, so names nobody serves cost a load per interval, not one per
+# request...
+MISS_RELOAD_EVERY_S = 0.1
+# ...and a request waits at most this long for one (the store may be slow or away).
+MISS_WAIT_S = 1.0
 # The refresh task wakes at least this often: it keeps this process's slot on the host's board
 # alive (gateway.routing.board), however long the table's refresh interval is.
 HEARTBEAT_S = 1.0
@@ -92,6 +101,9 @@ class Upstreams:
         self._versions = itertools.count(1)
         self._refreshed: asyncio.Event | None = None
         self._reload_wanted = True
+        self._miss_wanted = False  # a request found no route for its model: load again soon
+        self._load_began = -math.inf  # when the load of the current table began (monotonic)
+        self._tried_at = -math.inf  # when the refresh task last began a load (it may have failed)
         self._active_at: dict[str, float] = {}  # replica upstream id -> last finish, monotonic
 
     # --- the table ------------------------------------------------------------------------
@@ -101,7 +113,7 @@ class Upstreams:
         503 while no table could ever be loaded (the store is down since this process began):
         an empty table would answer every model with a misleading 404."""
         if not self.loaded:
-            await self._start()
+            await self.start()
             if not self.loaded:
                 raise ApiError(
                     503,
@@ -111,7 +123,9 @@ class Upstreams:
                 )
         return self.table
 
-    async def _start(self) -> None:
+    async def start(self) -> None:
+        """Start keeping the table (and this host's board) in this process, if not started on
+        this loop, and wait for its first load (which may have failed: ``loaded`` says)."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._loop is not loop:
             self._loop = loop
@@ -123,10 +137,31 @@ class Upstreams:
         assert self._first_load is not None
         await asyncio.shield(self._first_load)
 
+    async def resolve(self, name: str) -> Route | None:
+        """The route for the model ``name``. Where the table has none, what a table load that
+        began after this call says (waited for up to ``MISS_WAIT_S``): a model added through
+        another process is served at once, not after that process's next refresh here."""
+        route = self.table.resolve(name)
+        if route is not None:
+            return route
+        asked = time.monotonic()
+        until = asked + MISS_WAIT_S
+        while self._load_began < asked:
+            now = time.monotonic()
+            if now >= until:
+                break
+            self._miss_wanted = True
+            if self._wake is not None:
+                self._wake.set()
+            await self._changed(until - now)
+        return self.table.resolve(name)
+
     async def refresh(self) -> None:
+        began = time.monotonic()
         table = await dbthread.in_background(load_table, next(self._versions))
         self.table = table
         self.loaded = True
+        self._load_began = began
         # What routing by the cache keeps of each upstream goes with those the table dropped.
         self.placer.remember(table)
         # Wake everyone waiting for a change, and give later waiters a fresh event.
@@ -168,9 +203,11 @@ class Upstreams:
             # First: a slow store must not make this process look gone to its peers.
             self.loads.heartbeat(time.monotonic())
             try:
-                if self._reload_wanted or time.monotonic() >= reload_at:
-                    self._reload_wanted = False
-                    reload_at = time.monotonic() + float(settings.LLMGW_ROUTING_REFRESH)
+                now = time.monotonic()
+                if self._reload_wanted or now >= min(reload_at, self._miss_reload_at()):
+                    self._reload_wanted = self._miss_wanted = False
+                    self._tried_at = now
+                    reload_at = now + float(settings.LLMGW_ROUTING_REFRESH)
                     await self.refresh()
                 await self._write_stamps()
                 await self._report_in_flight()
@@ -192,10 +229,15 @@ class Upstreams:
                     reload_at, time.monotonic() + float(settings.LLMGW_ROUTING_REFRESH) / 4
                 )
             with contextlib.suppress(TimeoutError):
-                wake_in = min(HEARTBEAT_S, reload_at - time.monotonic())
+                due = min(reload_at, self._miss_reload_at())
+                wake_in = min(HEARTBEAT_S, due - time.monotonic())
                 async with asyncio.timeout(max(0.0, wake_in)):
                     await self._wake.wait()
             self._wake.clear()
+
+    def _miss_reload_at(self) -> float:
+        """When a load for a request that found no route may begin (never, if none asked)."""
+        return self._tried_at + MISS_RELOAD_EVERY_S if self._miss_wanted else math.inf
 
     def request_refresh(self) -> None:
         """Reload soon; safe from any thread (signal handlers run in the database thread)."""

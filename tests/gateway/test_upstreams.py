@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -44,6 +45,65 @@ async def test_a_waiter_notes_demand_and_gets_the_route_once_a_load_brings_an_up
         ready = await waiter
         assert ready is not None and ready.name == "cold"
         assert [u.id for u in ready.upstreams] == [f"replica:{replica.pk}"]
+    finally:
+        assert upstreams._task is not None
+        upstreams._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await upstreams._task
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_model_added_after_the_last_load_is_found_by_its_first_request() -> None:
+    """Another process added the model (no signal reaches this one): the request that names it
+    waits for a table load that began after it came, instead of a 404 until the next refresh."""
+    upstreams = Upstreams()
+    await upstreams.ready()
+    try:
+        assert await upstreams.resolve("added-elsewhere") is None
+        await sync_to_async(serve_model)("added-elsewhere", [8002])
+        route = await upstreams.resolve("added-elsewhere")
+        assert route is not None and len(route.upstreams) == 1
+    finally:
+        assert upstreams._task is not None
+        upstreams._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await upstreams._task
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_requests_for_names_nobody_serves_cost_a_load_per_interval_not_one_each(
+    monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """A client sending made-up model names (a typo in a loop, or on purpose) must not turn
+    each request into a load of the table: a hundred at once share the load that begins after
+    them, and each is answered with no route."""
+    from gateway.routing import loading
+    from gateway.routing import upstreams as module
+
+    loads = 0
+    load_table = loading.load_table
+
+    def counted(version: int) -> object:
+        nonlocal loads
+        loads += 1
+        return load_table(version)
+
+    monkeypatch.setattr(module, "load_table", counted)
+    settings.LLMGW_ROUTING_REFRESH = 3600  # no periodic load: only the misses' count
+    upstreams = Upstreams()
+    await upstreams.ready()
+    try:
+        first = loads
+        answers = await asyncio.gather(*(upstreams.resolve(f"made-up-{n}") for n in range(100)))
+        assert answers == [None] * 100
+        assert loads - first == 1
+        # And the next ones, each after the last was answered: one load each, not sooner than
+        # MISS_RELOAD_EVERY_S after the one before (loads in a second, not requests).
+        began = time.monotonic()
+        for n in range(5):
+            assert await upstreams.resolve(f"made-up-again-{n}") is None
+        assert loads - first == 6
+        assert time.monotonic() - began >= 4 * module.MISS_RELOAD_EVERY_S
     finally:
         assert upstreams._task is not None
         upstreams._task.cancel()
