@@ -34,7 +34,10 @@ behind itself; such a request's outcome is **spilled**. Some upstream is always 
 bound, since not all can be over the mean. The slack says what moving costs: a cool prefix
 (less of what is in flight than one upstream's share) stays where it is cached up to a large
 slack, since moving it costs a prefill elsewhere and cache the others need; a hot one
-(``Placement.hot``) is bounded by the mean alone, since no single upstream can serve it.
+(``Placement.hot``) is bounded by the mean alone, since no single upstream can serve it, and
+of the upstreams under the bound goes where its first token comes more than
+``HOLDER_WAIT_SLACK_S`` sooner, if one would: a replica still computing it, with requests
+queued behind that, may be slower than an idle one computing it afresh.
 The counts are the host's: this process's own and its host's other web processes'
 (``gateway.routing.board``).
 """
@@ -220,9 +223,20 @@ def choose_cached(
     total = sum(counts)
     weight = sum([u.weight for u in order])
     slack = bounds.hot_slack if placement.hot else bounds.slack
-    for rank, upstream in enumerate(order):
-        if counts[rank] < bound_of(upstream, total, weight, slack, bounds.factor):
-            return Choice(upstream, outcome if rank == 0 else SPILLED, matches.get(upstream.id, 0))
+    under = (
+        r
+        for r, u in enumerate(order)
+        if counts[r] < bound_of(u, total, weight, slack, bounds.factor)
+    )
+    first = next(under, None)
+    if first is not None:
+        taken = first
+        if placement.hot and outcome == CACHED:
+            # No one upstream can serve a hot prefix: of those under the bound, where its first
+            # token comes much sooner (not behind a replica still computing it, say).
+            taken = _much_sooner(order, [first, *under], _read(starts))
+        upstream = order[taken]
+        return Choice(upstream, outcome if taken == 0 else SPILLED, matches.get(upstream.id, 0))
     # Only with weights that make every share round up past the mean: the least loaded.
     least = choose(pool, outstanding, {}, now, offset=offset)
     assert least is not None
@@ -234,6 +248,18 @@ def _read(
 ) -> Mapping[str, float]:
     """The first-token waits given (worked out now where given as a function)."""
     return (starts() if callable(starts) else starts) or {}
+
+
+def _much_sooner(order: Sequence[Upstream], ranks: list[int], soon: Mapping[str, float]) -> int:
+    """The first of ``ranks`` (into ``order``), unless the prompt's first token would come more
+    than ``HOLDER_WAIT_SLACK_S`` sooner at another of them: then the soonest."""
+    if len(ranks) < 2 or not soon:
+        return ranks[0]
+    first = soon.get(order[ranks[0]].id, 0.0)
+    soonest = min(ranks, key=lambda r: soon.get(order[r].id, 0.0))
+    if first - soon.get(order[soonest].id, 0.0) > HOLDER_WAIT_SLACK_S:
+        return soonest
+    return ranks[0]
 
 
 def _sooner_holders_first(

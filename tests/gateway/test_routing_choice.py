@@ -296,9 +296,10 @@ def test_among_replicas_holding_as_much_one_still_computing_it_goes_last() -> No
     alike = {"replica:2": 0.004, "replica:3": 0.004 + HOLDER_WAIT_SLACK_S / 2, "replica:4": 0.004}
     assert pick(outstanding, matches=matches, starts=alike) == ("replica:3", CACHED, 9)
     # Hot, and the holders that answer at once past the mean: the one computing it, which
-    # holds it too, before a replica that would compute it again.
+    # holds it too, before a replica that would compute it again (a whole prefill, later).
     crowded = {"replica:1": 0, "replica:2": 9, "replica:3": 1, "replica:4": 8}
-    got = pick(crowded, matches=matches, starts=computing, hot=True)
+    again = {**computing, "replica:1": 0.155}
+    got = pick(crowded, matches=matches, starts=again, hot=True)
     assert got == ("replica:3", SPILLED, 9)
 
     def never() -> dict[str, float]:
@@ -314,6 +315,25 @@ def test_among_replicas_holding_as_much_one_still_computing_it_goes_last() -> No
         starts=never,
     )
     assert one is not None and one.upstream.id == "replica:2"
+
+
+def test_a_hot_prefix_goes_where_its_first_token_comes_much_sooner_among_those_under_bound() -> (
+    None
+):
+    """No one replica can serve a hot prefix, so it is spread at the mean, and of the replicas
+    under the bound it goes where it is answered much sooner: not behind a replica that is
+    still computing it with requests already queued there (they wait out its whole prefill and
+    each other's), when an idle one would compute it sooner. Within HOLDER_WAIT_SLACK_S the
+    order stands (the prefix kept where it is cached)."""
+    matches = {"replica:2": 9, "replica:3": 9}
+    crowded = {"replica:1": 0, "replica:2": 9, "replica:3": 2, "replica:4": 8}
+    queued = {"replica:1": 0.155, "replica:2": 0.004, "replica:3": 0.170, "replica:4": 0.020}
+    assert pick(crowded, matches=matches, starts=queued, hot=True) == ("replica:1", SPILLED, 0)
+    close = {**queued, "replica:3": 0.155 + HOLDER_WAIT_SLACK_S / 2}
+    assert pick(crowded, matches=matches, starts=close, hot=True) == ("replica:3", SPILLED, 9)
+    # Not hot: kept where it is cached, the next holder in order once the first is past the
+    # bound, whatever the waits.
+    assert pick(crowded, matches=matches, starts=queued) == ("replica:3", SPILLED, 9)
 
 
 def test_a_replica_past_the_bound_spills_to_the_best_of_the_others() -> None:
