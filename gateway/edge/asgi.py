@@ -45,6 +45,8 @@ from gateway.relay.routes import BY_PATH, RelayRoute
 from gateway.responses import Response
 from gateway.routing.upstreams import upstreams
 
+logger = logging.getLogger(__name__)
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
@@ -231,8 +233,6 @@ async def _tell_cut(send: Send, *, started: bool) -> None:
 # A relay request starts listening for its client's hang-up after this long (see _relay).
 LISTEN_AFTER_S = 0.05
 
-logger = logging.getLogger(__name__)
-
 V1_URLCONF = "gateway.edge.v1_urls"
 
 _imported: set[str] = set()
@@ -271,12 +271,11 @@ async def prepare() -> None:
     """Start what a web process's first ``/v1`` request would otherwise start and wait for, as
     soon as the process serves: the routing table's first load (with this host's board and its
     other processes), the usage writer, and the store's request lane (a key lookup's query).
-    Measured on a fresh process (the routing bench's two web processes and four sims), the
-    first request's time to first token was 17-27 ms against 3.5 ms for the next ones; the
-    second process, cold while the first took the warm-up, paid it again in the middle of the
-    first burst. A store that does not answer now is found the same way a request would find
-    it (the table's load says so, and keeps trying); nothing here stops the process starting.
-    """
+    A process that has served nothing is cold just when it matters: after a restart under
+    load, or in a burst its host's other process took the quiet requests before
+    (docs/decisions.md, '/v1 prepared at startup'). A store that does not answer now is found
+    as a request would find it (the table's load says so, and keeps trying); nothing here
+    stops the process serving."""
     recorder.ensure_running()
     results = await asyncio.gather(upstreams.start(), keys.cache.prepare(), return_exceptions=True)
     for result in results:

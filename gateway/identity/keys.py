@@ -353,9 +353,9 @@ class KeyCache:
 
     async def prepare(self) -> None:
         """Look up a hash no key has: the request lane opens its connection to the store and
-        the lookup's query is built once before the first client's key needs it (a fresh
-        process's first lookup took about 4 ms more than later ones). Nothing is cached;
-        raises what the store raises."""
+        the lookup's queries are built once before the first client's key needs them
+        (docs/decisions.md, '/v1 prepared at startup'). Nothing is cached; raises what the
+        store raises."""
         await dbthread.for_request(_prepare_lookup)
 
     async def _keep_warm(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -19,14 +20,26 @@ from tests.harness.factories import serve_model
 from tests.harness.waits import await_until
 
 
+@contextlib.asynccontextmanager
+async def refreshing() -> AsyncIterator[Upstreams]:
+    """A process's live table, its refresh task running (loads and stamps) until the end."""
+    upstreams = Upstreams()
+    await upstreams.ready()
+    try:
+        yield upstreams
+    finally:
+        assert upstreams._task is not None
+        upstreams._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await upstreams._task
+
+
 @pytest.mark.django_db(transaction=True)
 async def test_a_waiter_notes_demand_and_gets_the_route_once_a_load_brings_an_upstream() -> None:
     served = await sync_to_async(serve_model)("cold", [8001], ready=False)
     [replica] = served.replicas
-    upstreams = Upstreams()
-    table = await upstreams.ready()  # its refresh task runs from here: loads and stamps
-    try:
-        route = table.resolve("cold")
+    async with refreshing() as upstreams:
+        route = upstreams.table.resolve("cold")
         assert route is not None and route.upstreams == ()
         waiter = asyncio.create_task(
             upstreams.wait_for_upstream(route, "cold", until=time.monotonic() + 3600)
@@ -45,29 +58,17 @@ async def test_a_waiter_notes_demand_and_gets_the_route_once_a_load_brings_an_up
         ready = await waiter
         assert ready is not None and ready.name == "cold"
         assert [u.id for u in ready.upstreams] == [f"replica:{replica.pk}"]
-    finally:
-        assert upstreams._task is not None
-        upstreams._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await upstreams._task
 
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_model_added_after_the_last_load_is_found_by_its_first_request() -> None:
     """Another process added the model (no signal reaches this one): the request that names it
     waits for a table load that began after it came, instead of a 404 until the next refresh."""
-    upstreams = Upstreams()
-    await upstreams.ready()
-    try:
+    async with refreshing() as upstreams:
         assert await upstreams.resolve("added-elsewhere") is None
         await sync_to_async(serve_model)("added-elsewhere", [8002])
         route = await upstreams.resolve("added-elsewhere")
         assert route is not None and len(route.upstreams) == 1
-    finally:
-        assert upstreams._task is not None
-        upstreams._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await upstreams._task
 
 
 @pytest.mark.django_db(transaction=True)
@@ -90,9 +91,7 @@ async def test_requests_for_names_nobody_serves_cost_a_load_per_interval_not_one
 
     monkeypatch.setattr(module, "load_table", counted)
     settings.LLMGW_ROUTING_REFRESH = 3600  # no periodic load: only the misses' count
-    upstreams = Upstreams()
-    await upstreams.ready()
-    try:
+    async with refreshing() as upstreams:
         first = loads
         answers = await asyncio.gather(*(upstreams.resolve(f"made-up-{n}") for n in range(100)))
         assert answers == [None] * 100
@@ -104,11 +103,6 @@ async def test_requests_for_names_nobody_serves_cost_a_load_per_interval_not_one
             assert await upstreams.resolve(f"made-up-again-{n}") is None
         assert loads - first == 6
         assert time.monotonic() - began >= 4 * module.MISS_RELOAD_EVERY_S
-    finally:
-        assert upstreams._task is not None
-        upstreams._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await upstreams._task
 
 
 async def test_a_waiter_gets_none_at_its_time_limit_and_no_sooner() -> None:
