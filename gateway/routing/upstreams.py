@@ -139,11 +139,12 @@ class Upstreams:
 
     async def resolve(self, name: str) -> Route | None:
         """The route for the model ``name``. Where the table has none, what a table load that
-        began after this call says (waited for up to ``MISS_WAIT_S``): a model added through
-        another process is served at once, not after that process's next refresh here."""
+        began after this call says (waited for up to ``MISS_WAIT_S``; not while the store is
+        down): a model added through another process is served at once, not after that
+        process's next refresh here."""
         route = self.table.resolve(name)
-        if route is not None:
-            return route
+        if route is not None or dbthread.store_down():
+            return route  # with the store away, no load would say more
         asked = time.monotonic()
         until = asked + MISS_WAIT_S
         while self._load_began < asked:

@@ -105,6 +105,23 @@ async def test_requests_for_names_nobody_serves_cost_a_load_per_interval_not_one
         assert time.monotonic() - began >= 4 * module.MISS_RELOAD_EVERY_S
 
 
+@pytest.mark.django_db(transaction=True)
+async def test_with_the_store_down_a_name_the_table_lacks_is_answered_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No load can say more while the store is away: the request is not held for one (nor
+    does it make the refresh task try the store again and again)."""
+    from gateway import dbthread
+
+    async with refreshing() as upstreams:
+        monkeypatch.setattr(dbthread, "store_down", lambda: True)
+        woken = upstreams._wake
+        assert woken is not None
+        woken.clear()
+        assert await upstreams.resolve("added-elsewhere") is None
+        assert not woken.is_set() and not upstreams._miss_wanted
+
+
 async def test_a_waiter_gets_none_at_its_time_limit_and_no_sooner() -> None:
     upstreams = Upstreams()
     upstreams.table = build_table([CatalogRow(id=1, name="cold")], [], [])
