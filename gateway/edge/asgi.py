@@ -38,7 +38,6 @@ from django.urls import set_script_prefix
 from gateway.errors import ApiError, error_response, invalid_key, openai_shaped, too_large
 from gateway.identity import keys
 from gateway.identity.keys import KeyInfo
-from gateway.ledger.recorder import recorder
 from gateway.relay import entry
 from gateway.relay.drain import drain
 from gateway.relay.routes import BY_PATH, RelayRoute
@@ -276,7 +275,7 @@ async def prepare() -> None:
     (docs/decisions.md, '/v1 prepared at startup'). A store that does not answer now is found
     as a request would find it (the table's load says so, and keeps trying); nothing here
     stops the process serving."""
-    recorder.ensure_running()
+    entry.start_background()
     results = await asyncio.gather(upstreams.start(), keys.cache.prepare(), return_exceptions=True)
     for result in results:
         if isinstance(result, Exception) and not isinstance(result, DatabaseError):

@@ -43,7 +43,10 @@ from telemetry import logs, tracing
 logger = logging.getLogger(__name__)
 
 
-def _start_background() -> None:
+def start_background() -> None:
+    """What ``/v1`` keeps running in the background of this process (the usage writer),
+    started if it is not: by every request, and by the process's startup
+    (``gateway.edge.asgi.prepare``)."""
     recorder.ensure_running()
 
 
@@ -60,7 +63,7 @@ async def relay(
     """The request path after authentication, for one ``/v1`` call that goes to an engine.
     ``session`` is the client's ``x-session-id`` header, if it sent one; ``traceparent`` and
     ``tracestate`` its W3C trace context, which the request's span joins (tracing on)."""
-    _start_background()
+    start_background()
     request_id = new_request_id()
     # Every line logged from here on (and by what this request starts) names it.
     logs.begin_request(request_id, traceparent)

@@ -190,6 +190,7 @@ def choose_cached(
         # id, the same in every process) breaks what is left.
         order = sorted(pool, key=lambda u: (-matches.get(u.id, 0), outstanding.get(u.id, 0)))
         if len(order) > 1 and matches.get(order[1].id, 0) == matches.get(order[0].id, 0):
+            starts = _read(starts)  # worked out once: the hot rule below reads them too
             order = _sooner_holders_first(order, matches, starts)
         outcome = CACHED
     elif placement.lead is not None:
@@ -263,15 +264,12 @@ def _much_sooner(order: Sequence[Upstream], ranks: list[int], soon: Mapping[str,
 
 
 def _sooner_holders_first(
-    order: list[Upstream],
-    matches: Mapping[str, int],
-    starts: Mapping[str, float] | Callable[[], Mapping[str, float]] | None,
+    order: list[Upstream], matches: Mapping[str, int], soon: Mapping[str, float]
 ) -> list[Upstream]:
     """``order`` (the longest prefix first, the less loaded among equals) with those of its
     leading upstreams that hold the longest prefix alike but where the prompt's first token
-    would come more than ``HOLDER_WAIT_SLACK_S`` after the soonest of them moved behind the
-    other holders (each group still in its order)."""
-    soon = _read(starts)
+    would come more than ``HOLDER_WAIT_SLACK_S`` after the soonest of them (``soon``: the
+    waits) moved behind the other holders (each group still in its order)."""
     if not soon:
         return order
     longest = matches.get(order[0].id, 0)

@@ -334,6 +334,23 @@ def test_a_hot_prefix_goes_where_its_first_token_comes_much_sooner_among_those_u
     # Not hot: kept where it is cached, the next holder in order once the first is past the
     # bound, whatever the waits.
     assert pick(crowded, matches=matches, starts=queued) == ("replica:3", SPILLED, 9)
+    # The waits are worked out once for both rules (the holders' order, then the hot bound).
+    reads: list[int] = []
+
+    def waits() -> dict[str, float]:
+        reads.append(1)
+        return queued
+
+    got = choose_cached(
+        FOUR,
+        crowded,
+        {},
+        0.0,
+        placement=Placement(7, None, matches, True),
+        bounds=BOUNDS,
+        starts=waits,
+    )
+    assert got is not None and got.upstream.id == "replica:1" and reads == [1]
 
 
 def test_a_replica_past_the_bound_spills_to_the_best_of_the_others() -> None:
