@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -60,6 +61,7 @@ class DeadlineProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._phase = Phase.IDLE
         self._deadline: asyncio.TimerHandle | None = None
+        self._due = 0.0  # time.monotonic() when the armed deadline passes
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -100,6 +102,7 @@ class DeadlineProtocol(HttpToolsProtocol):
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
+        self._due = time.monotonic() + seconds
         self._deadline = self.loop.call_later(seconds, self._expired)
 
     def _disarm(self) -> None:
@@ -108,6 +111,13 @@ class DeadlineProtocol(HttpToolsProtocol):
             self._deadline = None
 
     def _expired(self) -> None:
+        early_by = self._due - time.monotonic()
+        if early_by > 0:
+            # uvloop's timers count whole milliseconds (the delay rounded, the clock truncated),
+            # so one fires up to a millisecond before its time; the deadline is a promise to
+            # the client (never closed before it): wait out the rest.
+            self._deadline = self.loop.call_later(early_by + 0.001, self._expired)
+            return
         self._deadline = None
         phase, self._phase = self._phase, Phase.IDLE
         if self.transport.is_closing() or phase is Phase.IDLE:
