@@ -273,7 +273,9 @@ def without_the_wait(response: Any) -> bytes:
     """A paced sign-in's page with its wait (``Retry-After``, in the text too) taken out: the
     wait counts down with the clock, so two attempts a moment apart may say 300 and 299."""
     wait = response["Retry-After"].encode()
-    page = response.content.replace(b"try again in %s second" % wait, b"try again in N second")
+    page: bytes = response.content.replace(
+        b"try again in %s second" % wait, b"try again in N second"
+    )
     assert b"try again in N second" in page, "the page says how long to wait"
     return page
 
