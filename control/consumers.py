@@ -42,6 +42,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SCOPE_KEY = "llmgw_node"
 _NODE_HEADER = NODE_HEADER.lower().encode()
+# How long a stream that has ended waits for the channel layer's receive to take its
+# cancellation; past that the receive is left behind (see _receive_or_leave).
+RECEIVE_CANCEL_WAIT_S = 1.0
 
 
 def _client(scope: Scope) -> str:
@@ -136,6 +139,33 @@ async def reject_unknown_path(scope: Scope, receive: Receive, send: Send) -> Non
     await _deny(receive, send)
 
 
+async def _receive_or_leave(receiving: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """What ``receiving`` (the channel layer's receive) returns. Cancelled (the stream has
+    ended), it cancels the receive and waits ``RECEIVE_CANCEL_WAIT_S`` at most for it to end:
+    channels_redis's receive has been seen to go on polling Redis after its cancellation, and
+    Channels waits for it before the consumer ends, so the stream's task never ended and a web
+    process told to stop waited out its whole grace (30 s) whenever it held a stream. A receive
+    left behind ends with its next message, or when the process, exiting, cancels it again."""
+    task = asyncio.ensure_future(receiving)
+    try:
+        await asyncio.wait({task})
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECEIVE_CANCEL_WAIT_S)
+        if not task.done():
+            logger.warning(
+                "the channel layer's receive went on after its stream ended; left behind"
+            )
+        task.add_done_callback(_ignore_outcome)  # nobody waits for what it ends with now
+        raise
+    return task.result()
+
+
+def _ignore_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: not reported as never retrieved
+
+
 class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
     """One agent's stream. Everything it decides is in :class:`AgentSession`."""
 
@@ -159,7 +189,7 @@ class AgentConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]
         delay = 0.5
         while True:
             try:
-                return await self._raw_channel_receive()
+                return await _receive_or_leave(self._raw_channel_receive())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

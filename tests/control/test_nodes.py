@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
-from channels.layers import get_channel_layer
+from channels.layers import InMemoryChannelLayer, get_channel_layer
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.core.management import call_command
@@ -44,7 +44,16 @@ from agents.protocol.vocabulary import (
     ShardState,
     WeightsState,
 )
-from control import agent_peers, agent_reports, desired_state, health, node_tokens, nudges, serving
+from control import (
+    agent_peers,
+    agent_reports,
+    consumers,
+    desired_state,
+    health,
+    node_tokens,
+    nudges,
+    serving,
+)
 from control.agent_plumbing import HeartbeatWriter, NodeRowReader, read_node_rows
 from control.agent_sessions import FULL_RESYNC_EVERY, AgentSession
 from control.models import Event, Gpu, Lease, Node, Profile, Replica, ServedModel, Shard
@@ -846,6 +855,33 @@ async def _open(token: str) -> WebsocketCommunicator:
     assert decode_server_message(await comm.receive_from()).TYPE == "welcome"
     assert decode_server_message(await comm.receive_from()).TYPE == "desired"
     return comm
+
+
+class StubbornLayer(InMemoryChannelLayer):  # type: ignore[misc]
+    """A channel layer whose receive goes on after its first cancellation, as channels_redis's
+    was seen to: the web process holding such a stream then waited out its whole stop grace."""
+
+    async def receive(self, channel: str) -> dict[str, Any]:
+        message: dict[str, Any]
+        try:
+            message = await super().receive(channel)
+        except asyncio.CancelledError:
+            message = await super().receive(channel)
+        return message
+
+
+@committed
+async def test_a_stream_ends_with_its_agent_even_if_the_layers_receive_ignores_the_cancel(
+    token: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": f"{__name__}.StubbornLayer"}}
+    monkeypatch.setattr(consumers, "RECEIVE_CANCEL_WAIT_S", 0.05)
+    comm = await _open(token)
+    await comm.send_input({"type": "websocket.disconnect", "code": 1000})  # the agent hangs up
+    # Waited for, not cancelled: the stream's task must end by itself (it never did).
+    done, _ = await asyncio.wait({comm.future}, timeout=10)
+    assert done, "the stream's task still runs 10 s after its agent hung up"
+    assert comm.future.exception() is None
 
 
 async def _closed_with(comm: WebsocketCommunicator) -> tuple[int, str]:
