@@ -118,7 +118,6 @@ async def _serve(ex: Exchange, raw: bytes, session: str | None) -> Response:
         ex.trace.requested(body.model, stream=body.stream, max_tokens=body.max_tokens)
     ex.usage.model = body.model
     ex.usage.stream = body.stream
-    await upstreams.ready()
     route = await upstreams.resolve(body.model)
     if route is None:
         raise model_not_found(body.model)

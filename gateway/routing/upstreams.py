@@ -138,11 +138,12 @@ class Upstreams:
         await asyncio.shield(self._first_load)
 
     async def resolve(self, name: str) -> Route | None:
-        """The route for the model ``name``. Where the table has none, what a table load that
-        began after this call says (waited for up to ``MISS_WAIT_S``; not while the store is
-        down): a model added through another process is served at once, not after that
-        process's next refresh here."""
-        route = self.table.resolve(name)
+        """The route for the model ``name``, from the table ``ready`` gives (so the first call
+        waits for the first load, and raises 503 as it does). Where the table has none, what a
+        table load that began after this call says (waited for up to ``MISS_WAIT_S``; not while
+        the store is down): a model added through another process is served at once, not after
+        that process's next refresh here."""
+        route = (await self.ready()).resolve(name)
         if route is not None or dbthread.store_down():
             return route  # with the store away, no load would say more
         asked = time.monotonic()
