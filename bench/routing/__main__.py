@@ -12,8 +12,15 @@ output tokens a second, the busiest replica's share of requests (each engine's o
 counters), the engines' longest waiting queue, and errors. Then the goals, as pass/fail rows.
 The table is printed and the JSON written to ``var/bench-routing.json``.
 
+``--repeat N`` runs the whole set N times, each round starting every workload with the next
+target, and judges the goals on each cell's median over the rounds (requests and errors
+summed, the engines' counts added up); each round's cell is kept in the JSON (``rounds``) and
+the table shows the spread of TTFT p99. A tail set by one burst (a few requests of hundreds) moves
+by milliseconds from run to run with the load generator's own timing, so one run can say no
+more than that.
+
     python -m bench.routing [--quick] [--workload NAME ...] [--target NAME ...]
-                            [--sim-source DIR] [--json PATH]
+                            [--repeat N] [--sim-source DIR] [--json PATH]
 
 ``--sim-source`` (or ``BENCH_SIM_SOURCE``) runs the sim from another checkout, read only.
 """
@@ -24,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,6 +180,35 @@ def print_cell(workload: str, target: str, cell: dict[str, Any]) -> None:
     )
 
 
+# Summed over rounds, not the median: what was sent, and what failed of it.
+SUMMED = ("requests", "errors", "prompt_tokens", "cached_tokens")
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell of several rounds: each figure's median (None where any round had none), the
+    counts summed, the engines' requests added up and their peaks the highest; the rounds kept."""
+    if len(rounds) == 1:
+        return rounds[0]
+    cell: dict[str, Any] = {}
+    for key, first in rounds[0].items():
+        values = [r[key] for r in rounds]
+        if key in SUMMED:
+            cell[key] = sum(values)
+        elif key == "engine_requests":
+            cell[key] = [sum(taken) for taken in zip(*values, strict=True)]
+        elif key == "peak_waiting":
+            cell[key] = [max(peaks) for peaks in zip(*values, strict=True)]
+        elif key == "error_kinds":
+            cell[key] = sorted({kind for kinds in values for kind in kinds})[:5]
+        elif isinstance(first, (int, float)) or first is None:
+            numbers = [v for v in values if isinstance(v, (int, float))]
+            cell[key] = statistics.median(numbers) if len(numbers) == len(values) else None
+        else:
+            cell[key] = first
+    cell["rounds"] = rounds
+    return cell
+
+
 def ratio(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
@@ -269,13 +306,17 @@ def print_table(report: dict[str, Any]) -> None:
     for workload, row in report["cells"].items():
         for target, cell in row.items():
             share = cell["busiest_share"]
+            spread = ""
+            if "rounds" in cell:
+                p99s = sorted(r["ttft_p99_ms"] for r in cell["rounds"])
+                spread = f"  p99 of the rounds {' '.join(f'{v:.0f}' for v in p99s)}"
             print(
                 f"{workload:11} {target:24} {ratio(cell['hit_ratio_engine']):>7} "
                 f"{ratio(cell['hit_ratio_usage']):>7} {cell['ttft_p50_ms']:9.0f} "
                 f"{cell['ttft_p99_ms']:9.0f} {cell['output_tokens_per_s']:9.0f} "
                 f"{ratio(share):>7} {ratio(cell['busiest_over_mean']):>6} "
                 f"{max(cell['peak_waiting']):5.0f} {cell['errors']:4d} {cell['requests']:5d} "
-                f"{cell['seconds']:6.1f}"
+                f"{cell['seconds']:6.1f}{spread}"
             )
     print(
         "(TTFT in ms; busiest: the busiest replica's share of requests; wait: the longest "
@@ -305,6 +346,13 @@ def parse_args() -> argparse.Namespace:
         help="only this target (repeatable)",
     )
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run everything N times, interleaved; goals on each cell's median",
+    )
+    parser.add_argument(
         "--sim-source",
         type=Path,
         default=default_source(),
@@ -317,6 +365,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.repeat < 1:
+        raise SystemExit("--repeat: at least 1")
     workloads = args.workload or list(WORKLOADS)
     targets = [t for t in TARGETS if not args.target or t.name in args.target]
     env, key = fresh_store(WORK, "bench-routing")
@@ -346,19 +396,26 @@ def main() -> None:
             report["skipped"] = {t.name: why for t in targets if t.sglang}
             targets = [t for t in targets if not t.sglang]
     size = QUICK if args.quick else FULL
+    report["repeat"] = args.repeat
+    rounds: dict[str, dict[str, list[dict[str, Any]]]] = {
+        w: {t.name: [] for t in targets} for w in workloads
+    }
     loop = uvloop.new_event_loop()
     try:
-        for index, workload in enumerate(workloads):
-            first = index % len(targets)
-            report["cells"][workload] = {}
-            for target in targets[first:] + targets[:first]:
-                cell = run_cell(loop.run_until_complete, workload, target, size, kind, env, key)
-                report["cells"][workload][target.name] = cell
-                print_cell(workload, target.name, cell)
-            # The table reads in the targets' own order, whatever order they ran in.
-            report["cells"][workload] = {t.name: report["cells"][workload][t.name] for t in targets}
+        for turn in range(args.repeat):
+            for index, workload in enumerate(workloads):
+                first = (index + turn) % len(targets)
+                for target in targets[first:] + targets[:first]:
+                    cell = run_cell(loop.run_until_complete, workload, target, size, kind, env, key)
+                    rounds[workload][target.name].append(cell)
+                    print_cell(workload, target.name, cell)
     finally:
         loop.close()
+    # The table reads in the targets' own order, whatever order they ran in.
+    report["cells"] = {
+        workload: {name: combine(cells) for name, cells in row.items() if cells}
+        for workload, row in rounds.items()
+    }
     rows = goals(report)
     report["goals_rows"] = rows
     report["goals"] = [
