@@ -44,6 +44,7 @@ import math
 import mmap
 import os
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -69,6 +70,15 @@ MAX_PID = 1 << 22  # Linux's largest pid_max
 MAX_COUNT = 1 << 24
 MAX_PENDING = 1 << 40  # bytes of prompt awaiting prefill, likewise
 LIVE_EVERY_S = 0.1  # how often the live slots are looked at again
+# How long a process waits for the board's lock. A placement holds it well under a millisecond,
+# but a process stopped while holding it (SIGSTOP, a debugger's attach, a frozen container)
+# holds it until it runs again, and ``flock`` has no timeout: every other web process of the
+# host would stop at its next new prompt, all its streams with it. Past the wait a process
+# places without the lock (as it would on a host without a board)...
+LOCK_WAIT_S = 0.05
+# ...and for this long does not wait for it again, so one stopped process costs the others one
+# wait, not one per request.
+LOCK_GIVEN_UP_S = 1.0
 
 _HEADER = struct.Struct("<8sIIII")  # magic, slots, upstreams, homes, slots ever claimed
 _HEADER_SIZE = 64
@@ -122,27 +132,48 @@ class Board:
         self._epoch = view[_EPOCH_AT:SIZE].cast("d")
         self.slot = slot
         self.pid = pid
-        self._depth = 0  # how deep this process is in the board's lock
+        self._depth = 0  # how deep this process is in a placement (``locked``)
+        self._holds = False  # whether the placement holds the lock (it may have gone without)
+        self._given_up_until = -math.inf  # the lock was not to be had: not waited for till then
         self._live: list[int] = []  # the live slots, as last looked at...
         self._live_at = -math.inf  # ...then
 
     def is_locked(self) -> bool:
-        """Whether this process holds the board's lock now."""
+        """Whether this process is placing a prompt now (in ``locked``, the lock held or, where
+        it was not to be had, gone without): what it reads of the others is read fresh."""
         return self._depth > 0
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the board's lock (``flock``; another process waits, never long): re-entrant in
-        this process, so a choice made under it may claim a home under it too."""
+        """Hold the board's lock (``flock``) for a placement: re-entrant in this process, so a
+        choice made under it may claim a home under it too. Waited for ``LOCK_WAIT_S`` at most;
+        where it is not to be had by then (a process stopped holding it), the placement goes
+        on without it, and placements do not wait again for ``LOCK_GIVEN_UP_S``."""
         if self._depth == 0:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._holds = self._take_lock()
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
-            if self._depth == 0:
+            if self._depth == 0 and self._holds:
+                self._holds = False
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _take_lock(self) -> bool:
+        now = time.monotonic()
+        if now < self._given_up_until:
+            return False
+        if _acquire(self._fd, LOCK_WAIT_S):
+            return True
+        self._given_up_until = time.monotonic() + LOCK_GIVEN_UP_S
+        logger.warning(
+            "the host's routing board stayed locked for %.0f ms (a web process stopped while "
+            "holding it?): placing new prompts without it for %.0f s",
+            LOCK_WAIT_S * 1000,
+            LOCK_GIVEN_UP_S,
+        )
+        return False
 
     # --- opening ------------------------------------------------------------------------
 
@@ -446,11 +477,31 @@ _ZERO_SLOT = bytes(UPSTREAMS * _CELL.size)
 
 @contextlib.contextmanager
 def _locked(fd: int) -> Iterator[None]:
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    """The lock for opening the board (claiming a slot): an ``OSError`` where it is not to be
+    had within ``LOCK_WAIT_S`` (the process then routes on its own counts, but starts)."""
+    if not _acquire(fd, LOCK_WAIT_S):
+        raise OSError(f"the board stayed locked for {LOCK_WAIT_S * 1000:.0f} ms")
     try:
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _acquire(fd: int, wait_s: float) -> bool:
+    """Take ``fd``'s exclusive ``flock``, trying again (at growing intervals, up to a
+    millisecond) for ``wait_s`` at most; False where it could not. ``flock`` itself has no
+    timeout, and a blocked one would block the event loop for as long as the holder keeps it."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.00005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.001)
 
 
 def process_alive(pid: int) -> bool:

@@ -15,6 +15,7 @@ import pytest
 from gateway.routing import board as board_module
 from gateway.routing.board import (
     HOME_TTL_S,
+    NAME,
     REGISTRY_IDLE_S,
     SIZE,
     SLOT_STALE_S,
@@ -22,6 +23,7 @@ from gateway.routing.board import (
     Board,
 )
 from gateway.routing.loads import DEFAULT_PREFILL_RATE, PEERS_FRESH_S, Loads, PrefillRate
+from tests.harness.stopped import stopped_holding_flock
 
 NOW = 10_000.0
 
@@ -217,6 +219,56 @@ def test_two_processes_claiming_the_same_new_prefixes_at_the_same_instant_agree(
         assert homes == [(column, 2) for column in told[0]]
     finally:
         reader.close()
+
+
+def test_a_process_stopped_holding_the_lock_does_not_stop_the_others_placements(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads = Loads()
+    loads.share(open_board(tmp_path, os.getpid()))
+    board = loads.board
+    assert board is not None
+    loads.remember({"r1": 1, "r2": 1}, NOW)
+    tries: list[float] = []
+    acquire = board_module._acquire
+
+    def counted(fd: int, wait: float) -> bool:
+        tries.append(wait)
+        return acquire(fd, wait)
+
+    monkeypatch.setattr(board_module, "_acquire", counted)
+    try:
+        with stopped_holding_flock(tmp_path / NAME):
+            # The placement goes on without the lock, reading the host's loads as placing does.
+            with board.locked():
+                assert board.is_locked()
+                held = loads.acquire("r1", 1_000, NOW)
+                assert loads.host_outstanding(["r1", "r2"], NOW) == {"r1": 1, "r2": 0}
+            assert not board.is_locked()
+            assert len(tries) == 1
+            # The next placements do not wait for it again for a while: one wait, not one each.
+            for _ in range(3):
+                with board.locked():
+                    assert board.claim_home((7, 8), column=1, now=NOW) == 1
+            assert len(tries) == 1
+            loads.release(held)
+        # The holder has let go (it ran again and ended): placements hold the lock again.
+        monkeypatch.setattr(board, "_given_up_until", 0.0)
+        with board.locked():
+            assert board._holds
+        assert len(tries) == 2
+    finally:
+        loads.unshare()
+
+
+def test_a_process_starting_while_a_stopped_one_holds_the_lock_starts_on_its_own_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    open_board(tmp_path, live_pid()).close()  # the board's file, as a web process makes it
+    with stopped_holding_flock(tmp_path / NAME):
+        assert Board.open(tmp_path, NOW, pid=os.getpid()) is None
+    assert "routing loads are not shared" in caplog.text
+    open_board(tmp_path, os.getpid()).close()  # and once it has let go, shares them
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,11 @@ import pytest
 from django.db.models import F
 
 from control.models import Replica
+from gateway.routing.board import NAME as BOARD
 from tests.harness.factories import make_key, serve_model
 from tests.harness.live import assert_no_secrets, http, sim_metrics, start_sim, start_web
 from tests.harness.procs import Proc
+from tests.harness.stopped import stopped_holding_flock
 from tests.harness.waits import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -63,6 +65,7 @@ class Fleet:
     sims: list[Proc]
     key: str
     replica_of: dict[int, int]  # sim port -> replica id
+    folder: Path  # the var folders are in it
 
     def client(self, web: int) -> openai.OpenAI:
         return openai.OpenAI(
@@ -140,7 +143,7 @@ def processes(
 
 @pytest.fixture
 def fleet(processes: tuple[list[Proc], list[Proc], Path]) -> Fleet:
-    webs, sims, _ = processes
+    webs, sims, tmp = processes
     key, _ = make_key("alice")
     clients = [openai.OpenAI(base_url=w.url + "/v1", api_key=key, max_retries=0) for w in webs]
 
@@ -152,7 +155,7 @@ def fleet(processes: tuple[list[Proc], list[Proc], Path]) -> Fleet:
     served = serve_model(MODEL, [sim.port for sim in sims])
     wait_until(lambda: all(listed()), what=f"{MODEL} routed", logs=webs)
     replicas = {sim.port: r.id for sim, r in zip(sims, served.replicas, strict=True)}
-    return Fleet(webs, sims, key, replicas)
+    return Fleet(webs, sims, key, replicas, tmp)
 
 
 def test_two_web_processes_send_one_prefixs_requests_to_one_replica(fleet: Fleet) -> None:
@@ -204,6 +207,23 @@ def test_a_burst_of_new_prefixes_through_a_hosts_two_processes_computes_each_onc
         # Each question (twenty-odd words, the template's markers, the tail of the last block)
         # is well under a hundred tokens: a prompt computed twice is 1,500 more.
         assert computed < len(systems) * 1500 + len(calls) * 100, (burst, computed)
+
+
+def test_a_process_stopped_in_mid_placement_does_not_stop_its_hosts_other_processes(
+    fleet: Fleet,
+) -> None:
+    """A process of host a stops while it holds the host's board lock (placing a new prompt,
+    as SIGSTOP or a debugger's attach would catch it). Both web processes of that host go on
+    answering new prompts (each waits for the lock once, then places without it), and say so
+    in their logs."""
+    board = fleet.folder / "var-a" / "routing-peers" / BOARD
+    assert board.exists()
+    with stopped_holding_flock(board):
+        for i in range(6):
+            answer = fleet.ask((0, 2)[i % 2], text(7000 + i, 600), f"Stopped {i}")
+            assert answer.choices[0].message.content
+    for web in (fleet.webs[0], fleet.webs[2]):
+        assert "routing board stayed locked" in web.log()
 
 
 def _uncached(metrics: dict[str, float]) -> float:
