@@ -128,8 +128,13 @@ def processes(
         started += sims
         # a and b on hosts of their own; c on a's (one var folder, as `manage.py run` starts
         # its web processes), told each placement a makes.
+        # Keys are confirmed for the product's default 5 s, not the harness's 0.3: these tests
+        # send bursts, and a key re-confirmed in each one waits behind the burst's usage writes
+        # (a store that does not answer within half a second refuses it, 503, as it must).
         webs = [
-            start_web(tmp / f"var-{name}", LLMGW_METRICS_TOKEN=METRICS_TOKEN)
+            start_web(
+                tmp / f"var-{name}", LLMGW_METRICS_TOKEN=METRICS_TOKEN, LLMGW_KEY_CACHE_TTL="5"
+            )
             for name in ("a", "b", "a")
         ]
         started += webs
