@@ -79,6 +79,10 @@ LOCK_WAIT_S = 0.05
 # ...and for this long does not wait for it again, so one stopped process costs the others one
 # wait, not one per request.
 LOCK_GIVEN_UP_S = 1.0
+# Opening the board (claiming a slot, once at start) waits longer: a process that gave up here
+# would route on its own counts for its whole life, so only a holder that is not coming back
+# soon may make it.
+OPEN_LOCK_WAIT_S = 2.0
 
 _HEADER = struct.Struct("<8sIIII")  # magic, slots, upstreams, homes, slots ever claimed
 _HEADER_SIZE = 64
@@ -478,9 +482,9 @@ _ZERO_SLOT = bytes(UPSTREAMS * _CELL.size)
 @contextlib.contextmanager
 def _locked(fd: int) -> Iterator[None]:
     """The lock for opening the board (claiming a slot): an ``OSError`` where it is not to be
-    had within ``LOCK_WAIT_S`` (the process then routes on its own counts, but starts)."""
-    if not _acquire(fd, LOCK_WAIT_S):
-        raise OSError(f"the board stayed locked for {LOCK_WAIT_S * 1000:.0f} ms")
+    had within ``OPEN_LOCK_WAIT_S`` (the process then routes on its own counts, but starts)."""
+    if not _acquire(fd, OPEN_LOCK_WAIT_S):
+        raise OSError(f"the board stayed locked for {OPEN_LOCK_WAIT_S:.0f} s")
     try:
         yield
     finally:
