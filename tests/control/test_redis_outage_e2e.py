@@ -151,13 +151,14 @@ def test_g21_redis_cut_then_restarted_under_traffic(cluster: Cluster) -> None:
     ):
         refused = [a for a in clients.seen() if not a.whole]
         assert all(refused_for_limits(a) for a in refused), refused[:3]
-        # Refused only in the outage: answered after it began (one sent just before may be
-        # answered in it), and sent within 2 s of its end or before the key was next served
+        # Refused only in the outage: sent at most 1 s before it began or answered after it
+        # began, and sent within 2 s of its end or before the key was next served
         # whole after it, whichever is later: a loaded machine takes its time to bring Redis
         # back, and a pooled connection from before is found broken only when next used.
         served_again = min(a.began for a in clients.seen() if a.whole and a.began >= end)
         over = max(end + 2, served_again)
-        assert all(a.began + a.seconds >= start for a in refused), refused[:3]
+        early = [a for a in refused if a.began < start - 1 and a.began + a.seconds < start]
+        assert early == [], (start, early[:3])
         late = [a for a in refused if a.began > over]
         assert late == [], (end, served_again, late[:3])
         assert any(refused_for_limits(a) for a in clients.seen(start, end))
