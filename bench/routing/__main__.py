@@ -413,7 +413,7 @@ def main() -> None:
         loop.close()
     # The table reads in the targets' own order, whatever order they ran in.
     report["cells"] = {
-        workload: {name: combine(cells) for name, cells in row.items() if cells}
+        workload: {name: combine(cells) for name, cells in row.items()}
         for workload, row in rounds.items()
     }
     rows = goals(report)

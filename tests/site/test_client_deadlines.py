@@ -12,6 +12,7 @@ import uvloop
 from uvicorn.server import ServerState
 
 from llmgw_site import webserver
+from tests.harness.waits import await_until
 
 # Half a millisecond past a whole one: uvloop rounds the delay down to 250 ms, so without a
 # check of its own the deadline is answered early every time, not one time in fifty.
@@ -62,10 +63,10 @@ async def slow_clients() -> tuple[list[bytes], list[float]]:
     try:
         port = server.sockets[0].getsockname()[1]
         answers = await asyncio.gather(*(answer_to_slow_headers(port) for _ in range(CLIENTS)))
-        for _ in range(500):  # the server's side of a close may come a turn after the client's
-            if len(kept) == CLIENTS:
-                break
-            await asyncio.sleep(0.01)
+        # The server's side of a close may come a turn after the client's.
+        await await_until(
+            lambda: len(kept) == CLIENTS, 5, "every close seen by the server", interval=0.01
+        )
     finally:
         server.close()
     return answers, kept
