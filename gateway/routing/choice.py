@@ -183,6 +183,10 @@ def choose_cached(
         pool = [u for u in candidates if ejected_until.get(u.id, 0.0) <= now] or candidates
     matches = placement.matches
     held = bool(matches) and any(matches.get(u.id, 0) for u in pool)
+    if held and placement.affinity is None and placement.share >= CACHE_WORTH:
+        sole = _sole_holder(pool, matches, outstanding, bounds, hot=placement.hot)
+        if sole is not None:
+            return Choice(sole, CACHED, matches[sole.id])
     if placement.affinity is not None:
         order, outcome = rendezvous(placement.affinity, pool), AFFINITY
     elif held and placement.share >= CACHE_WORTH:
@@ -242,6 +246,36 @@ def choose_cached(
     least = choose(pool, outstanding, {}, now, offset=offset)
     assert least is not None
     return Choice(least, SPILLED, matches.get(least.id, 0))
+
+
+def _sole_holder(
+    pool: Sequence[Upstream],
+    matches: Mapping[str, int],
+    outstanding: Mapping[str, int],
+    bounds: Bounds,
+    *,
+    hot: bool,
+) -> Upstream | None:
+    """The upstream the cached rule takes at once, where it is plain: the only one predicted to
+    hold the longest prefix, under its load bound, the prefix not hot. None where the rule has
+    more to weigh (holders alike, a bound reached, a hot prefix). Most requests that find their
+    prefix cached end here, so it skips the ordering of all candidates the full rule builds."""
+    if hot:
+        return None
+    best: Upstream | None = None
+    longest = tied = total = weight = 0
+    for upstream in pool:
+        depth = matches.get(upstream.id, 0)
+        if depth > longest:
+            best, longest, tied = upstream, depth, 0
+        elif depth == longest:
+            tied += 1
+        total += outstanding.get(upstream.id, 0)
+        weight += upstream.weight
+    if best is None or tied:
+        return None
+    bound = bound_of(best, total, weight, bounds.slack, bounds.factor)
+    return best if outstanding.get(best.id, 0) < bound else None
 
 
 def _read(

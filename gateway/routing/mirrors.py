@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from gateway.routing.prefix import block_ends
 
@@ -46,10 +46,9 @@ TOKEN_BYTES_RANGE = (1.0, 16.0)
 TOKEN_BYTES_WEIGHT = 1 / 64
 
 
-@dataclass(frozen=True)
-class Learned:
+class Learned(NamedTuple):
     """What an engine's report taught: how many blocks it really had cached, against the
-    prediction, and what the mirror did about it."""
+    prediction, and what the mirror did about it (a tuple: one is made for every answer)."""
 
     confirmed: int
     predicted: int

@@ -279,6 +279,43 @@ def test_the_replica_holding_the_longest_prefix_wins() -> None:
     assert pick(matches={"replica:2": 3, "replica:3": 9}) == ("replica:3", CACHED, 9)
 
 
+def test_the_plain_cached_case_chooses_as_the_full_rule_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where one replica alone holds the longest prefix, the choice takes it without ordering
+    all candidates: over random loads, holdings, weights, ejections and tries, it chooses
+    exactly as the full rule does with that shortcut taken away."""
+    rng = random.Random(11)
+    upstreams = (*FOUR, Upstream("endpoint:big", "http://big", weight=3))
+    ids = [u.id for u in upstreams]
+
+    def draw() -> dict[str, object]:
+        return {
+            "outstanding": {uid: rng.randrange(12) for uid in ids if rng.random() < 0.8},
+            "ejected_until": {uid: 5.0 for uid in ids if rng.random() < 0.15},
+            "exclude": {uid for uid in ids if rng.random() < 0.15},
+            "placement": Placement(
+                rng.getrandbits(64),
+                None,
+                {uid: rng.choice((0, 0, 3, 9, 9)) for uid in ids if rng.random() < 0.7},
+                rng.random() < 0.3,
+                rng.choice((0.2, 0.5, 1.0)),
+            ),
+            "bounds": Bounds(factor=1.25, slack=rng.choice((1, 4, 32)), cold_slack=1),
+            "starts": {uid: rng.random() * 0.05 for uid in ids},
+        }
+
+    cases = [draw() for _ in range(3000)]
+
+    def choices() -> list[object]:
+        return [choose_cached(upstreams, now=0.0, **case) for case in cases]  # type: ignore[arg-type]
+
+    shortcut = choices()
+    monkeypatch.setattr("gateway.routing.choice._sole_holder", lambda *a, **k: None)
+    assert shortcut == choices()
+    assert sum(c is not None and c.outcome == CACHED for c in shortcut) > 500  # type: ignore[attr-defined]
+
+
 def test_among_replicas_holding_as_much_the_less_loaded_wins() -> None:
     outstanding = {"replica:2": 2, "replica:3": 1}
     assert pick(outstanding, matches={"replica:2": 9, "replica:3": 9})[:2] == ("replica:3", CACHED)
