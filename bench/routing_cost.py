@@ -84,6 +84,7 @@ def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
 
     from gateway.routing import prefix
     from gateway.routing.board import Board
+    from gateway.routing.placing import routing_settings
     from gateway.routing.table import Route, Upstream
     from gateway.routing.upstreams import Upstreams
 
@@ -102,13 +103,19 @@ def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
         "bench", 1, tuple(Upstream(f"replica:{i}", f"http://10.0.0.{i}:8000") for i in range(4))
     )
 
+    knobs = routing_settings()  # the prompt cut as the relay cuts it (LLMGW_ROUTING_BLOCK_*)
+
     def one_round(upstreams: Upstreams, cache_aware: bool, hold: bool) -> float:
         """CPU a request: the decision (with ``hold``, the request also held at its upstream,
         its first byte and its end counted, as the relay does)."""
         start = time.process_time()
         for i in range(requests):
             body = bodies[i % len(bodies)]
-            blocks = prefix.blocks_of("chat", body, 1024, 512) if cache_aware else prefix.NO_BLOCKS
+            blocks = (
+                prefix.blocks_of("chat", body, knobs.block_bytes, knobs.max_blocks)
+                if cache_aware
+                else prefix.NO_BLOCKS
+            )
             if hold:
                 taken = upstreams.take(route, blocks=blocks, key=blocks.lead)
                 assert taken is not None
@@ -123,7 +130,11 @@ def measure(requests: int = 5_000, rounds: int = 5) -> dict[str, Any]:
                 upstreams.placer.learn(choice.upstream, blocks, choice.predicted, 6000, 8000)
         return (time.process_time() - start) / requests * 1e6
 
-    out: dict[str, Any] = {"prompt_chars": PROMPT_CHARS, "requests_per_round": requests}
+    out: dict[str, Any] = {
+        "prompt_chars": PROMPT_CHARS,
+        "requests_per_round": requests,
+        "block_bytes": knobs.block_bytes,
+    }
     for policy in ("cache_aware", "least_outstanding"):
         with override_settings(LLMGW_ROUTING_POLICY=policy), tempfile.TemporaryDirectory() as var:
             upstreams = Upstreams()
