@@ -38,7 +38,11 @@ class Launch:
 
 
 # Each recipe is the engine's OpenAI-compatible server, listening on {host}:{port} and
-# answering to the model's API name. The profile's argument template is appended.
+# answering to the model's API name, and saying in each answer's usage how many prompt tokens
+# it found in its prefix cache (``prompt_tokens_details.cached_tokens``): vLLM and SGLang do
+# only when asked (--enable-prompt-tokens-details, --enable-cache-report), and routing by the
+# cache learns where prefixes are from it, as usage, metrics and the dashboard count cached
+# tokens by it (docs/routing.md). The profile's argument template is appended.
 _RECIPES: Final[dict[Engine, tuple[str, ...]]] = {
     Engine.SIM: (
         "{python}",
@@ -63,6 +67,7 @@ _RECIPES: Final[dict[Engine, tuple[str, ...]]] = {
         "{source}",
         "--served-model-name",
         "{model}",
+        "--enable-prompt-tokens-details",
     ),
     Engine.SGLANG: (
         "{python}",
@@ -76,6 +81,7 @@ _RECIPES: Final[dict[Engine, tuple[str, ...]]] = {
         "{source}",
         "--served-model-name",
         "{model}",
+        "--enable-cache-report",
     ),
     # llama-cpp-python's server (pip install 'llama-cpp-python[server]').
     Engine.LLAMACPP: (

@@ -74,10 +74,24 @@ def test_vllm_recipe_serves_the_source_under_the_model_name_on_the_shard_port() 
         "meta-llama/Llama-3-8B",
         "--served-model-name",
         "llama3",
+        "--enable-prompt-tokens-details",
         "--tensor-parallel-size",
         "1",
     )
     assert plan.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+@pytest.mark.parametrize(
+    ("engine", "flag"),
+    [(Engine.VLLM, "--enable-prompt-tokens-details"), (Engine.SGLANG, "--enable-cache-report")],
+)
+def test_engines_that_report_cached_tokens_only_when_asked_are_asked(
+    engine: Engine, flag: str
+) -> None:
+    """vLLM and SGLang leave ``prompt_tokens_details.cached_tokens`` out of usage unless
+    started with their flag: without it routing by the cache never learns from an engine, and
+    every usage row counts no cached tokens."""
+    assert flag in launch(replace(SHARD, engine=engine), CTX, {}).argv
 
 
 @pytest.mark.parametrize(
