@@ -86,7 +86,10 @@ def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
 
     from gateway.models import TeamLimits, UsageRecord, UserLimits
 
-    extra = {}
+    # Keys are confirmed for the product's default 5 s, not the harness's 0.3 (this is not a
+    # test of revocation): fifty requests at once re-confirming a key behind their own usage
+    # writes would meet a store slower than half a second on a loaded machine more often.
+    extra = {"LLMGW_KEY_CACHE_TTL": "5"}
     if counters == "redis":
         redis: RedisServer = request.getfixturevalue("redis_server")
         extra["REDIS_URL"] = redis.url
@@ -115,6 +118,7 @@ def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
         for web in webs:
             wait_until(partial(routes, web, keys[0][0], "lim"), what=f"{web.name} routes lim")
         statuses: list[int] = []
+        unavailable: list[str] = []  # the error codes of 503 answers
         served_owners: set[int] = set()
         lock = threading.Lock()
         start = threading.Barrier(50)
@@ -122,13 +126,15 @@ def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
         def call(index: int) -> None:
             key, api_key = keys[index % len(keys)]
             start.wait(60)
-            status, _, _ = http(
+            status, _, answer = http(
                 "POST", webs[index % 2].url + "/v1/chat/completions", key=key, body=body
             )
             with lock:
                 statuses.append(status)
                 if status == 200:
                     served_owners.add(api_key.user_id)
+                elif status == 503:
+                    unavailable.append(json.loads(answer)["error"]["code"])
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(50)]
         for thread in threads:
@@ -137,7 +143,11 @@ def test_fifty_concurrent_requests_on_a_budget_that_covers_one(
             thread.join(120)
         admitted = statuses.count(200)
         assert 1 <= admitted <= 2, statuses
-        assert statuses.count(429) == 50 - admitted
+        # Every other one refused: over the budget (429), or, where the store or Redis did not
+        # answer the count or the key's confirmation in time on a loaded machine, not served
+        # without it (503).
+        assert statuses.count(429) + len(unavailable) == 50 - admitted, (statuses, unavailable)
+        assert set(unavailable) <= {"limits_unavailable", "key_unconfirmed"}, unavailable
         wait_until(lambda: sum(len(usage_rows(k)) for _, k in keys) == 50, what="50 usage rows")
         spent = UsageRecord.objects.filter(api_key__in=[k for _, k in keys], status=200).aggregate(
             t=Sum(F("prompt_tokens") + F("completion_tokens"))
