@@ -42,7 +42,8 @@ CHANNEL_LAYER_READ_TIMEOUT_S = 30.0
 # counts) give up on a Redis that does not answer within a timeout each caller names: redis-py
 # 8 waits 5 s for a connection or a read by default, and retries a call ten times. Nor is a
 # failed call retried here: one whose answer was lost may have counted already; a pooled
-# connection that a restarted Redis dropped is replaced by the pool before use.
+# connection that a restarted Redis dropped is replaced before use (by redis-py's pool for a
+# synchronous client; for the request path's asyncio one, by gateway.identity.counters).
 
 
 def counter_redis_options(timeout: float, *, for_asyncio: bool = False) -> dict[str, Any]:

@@ -104,6 +104,8 @@ class RedisStore:
         self._client: Any = redis_asyncio.Redis.from_url(
             url, **counter_redis_options(settings.LLMGW_STORE_WAIT, for_asyncio=True)
         )
+        pool = self._client.connection_pool
+        pool.connection_class = _reconnecting_if_lost(pool.connection_class)
         self._take: Any = self._client.register_script(_TAKE_LUA)
         self._once: Any = self._client.register_script(_ONCE_LUA)
 
@@ -140,6 +142,35 @@ class RedisStore:
         keys = [f"llmgw:{c.name}" for c in counters] + [_marker(request_id)]
         with _transport_errors():
             await self._once(keys=keys, args=deltas)
+
+
+def _reconnecting_if_lost(base: Any) -> Any:
+    """``base`` (the connection class the URL chose: TCP, TLS or a Unix socket), connecting
+    afresh before it sends on a connection that was closed while idle in the pool (a firewall
+    reset it, Redis restarted). redis-py's asyncio pool hands such a connection out, and the
+    first write on it fails ("Connection lost"): as no call is retried, a request would be
+    refused 503 seconds after Redis came back, by a connection the outage left behind (CI saw
+    one four seconds after). Nothing of the command has been written then, so sending it on a
+    new connection cannot count it twice."""
+
+    class ReconnectingIfLost(base):  # type: ignore[misc]
+        async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            if _lost(getattr(self, "_reader", None), getattr(self, "_writer", None)):
+                await self.disconnect(nowait=True)
+            await super().send_packed_command(command, check_health)
+
+    ReconnectingIfLost.__name__ = ReconnectingIfLost.__qualname__ = (
+        f"ReconnectingIfLost{base.__name__}"
+    )
+    return ReconnectingIfLost
+
+
+def _lost(reader: Any, writer: Any) -> bool:
+    """Whether a connection's streams say it is gone: Redis (or a firewall) closed or reset it
+    (Redis never half-closes one it still serves), or its transport is closing."""
+    if reader is None or writer is None:
+        return False
+    return bool(reader.at_eof() or reader.exception() or writer.transport.is_closing())
 
 
 def _marked(counters: Sequence[Counter], request_id: str) -> bool:

@@ -226,6 +226,33 @@ async def test_a_named_correction_counts_once_however_often_it_is_sent(
     await store._client.aclose()
 
 
+async def test_a_connection_lost_while_idle_is_replaced_not_refused(
+    redis_server: RedisServer,
+) -> None:
+    """G21: a firewall resets every connection to Redis, then lets new ones through again.
+    The connections the pool kept idle are dead; the next takes connect afresh instead of
+    failing on them (a request refused 503 while Redis answers, seen in CI four seconds after
+    an outage), and each counts once."""
+    proxy = TcpProxy(redis_server.port)
+    store = counters.RedisStore(f"redis://127.0.0.1:{proxy.port}/0")
+    (rpm,) = limits.counters_for(key(rpm=100), 1, NOW)
+    pool = store._client.connection_pool
+    try:
+        assert await asyncio.gather(*(store.take([rpm]) for _ in range(4))) == [None] * 4
+        assert len(pool._available_connections) == 4
+        proxy.cut()
+        proxy.restore()
+        await await_until(
+            lambda: all(c._reader.at_eof() for c in pool._available_connections),
+            what="the pool's idle connections closed",
+        )
+        assert await asyncio.gather(*(store.take([rpm]) for _ in range(4))) == [None] * 4
+        assert int(await store._client.get(f"llmgw:{rpm.name}")) == 8
+    finally:
+        await store._client.aclose()
+        proxy.close()
+
+
 async def test_corrections_redis_did_not_take_are_sent_again_once_it_answers(
     settings: Any, monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer
 ) -> None:
