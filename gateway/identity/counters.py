@@ -155,22 +155,15 @@ def _reconnecting_if_lost(base: Any) -> Any:
 
     class ReconnectingIfLost(base):  # type: ignore[misc]
         async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-            if _lost(getattr(self, "_reader", None), getattr(self, "_writer", None)):
+            # Redis never half-closes a connection it still serves: at EOF, it is gone.
+            reader, writer = self._reader, self._writer
+            if reader is not None and (
+                reader.at_eof() or reader.exception() or writer.transport.is_closing()
+            ):
                 await self.disconnect(nowait=True)
             await super().send_packed_command(command, check_health)
 
-    ReconnectingIfLost.__name__ = ReconnectingIfLost.__qualname__ = (
-        f"ReconnectingIfLost{base.__name__}"
-    )
     return ReconnectingIfLost
-
-
-def _lost(reader: Any, writer: Any) -> bool:
-    """Whether a connection's streams say it is gone: Redis (or a firewall) closed or reset it
-    (Redis never half-closes one it still serves), or its transport is closing."""
-    if reader is None or writer is None:
-        return False
-    return bool(reader.at_eof() or reader.exception() or writer.transport.is_closing())
 
 
 def _marked(counters: Sequence[Counter], request_id: str) -> bool:

@@ -183,13 +183,12 @@ def choose_cached(
         pool = [u for u in candidates if ejected_until.get(u.id, 0.0) <= now] or candidates
     matches = placement.matches
     held = bool(matches) and any(matches.get(u.id, 0) for u in pool)
-    if held and placement.affinity is None and placement.share >= CACHE_WORTH:
-        sole = _sole_holder(pool, matches, outstanding, bounds, hot=placement.hot)
-        if sole is not None:
-            return Choice(sole, CACHED, matches[sole.id])
     if placement.affinity is not None:
         order, outcome = rendezvous(placement.affinity, pool), AFFINITY
     elif held and placement.share >= CACHE_WORTH:
+        sole = _sole_holder(pool, matches, outstanding, bounds, hot=placement.hot)
+        if sole is not None:
+            return Choice(sole, CACHED, matches[sole.id])
         # The longest prefix first, the less loaded among equals; the table's own order (by
         # id, the same in every process) breaks what is left.
         order = sorted(pool, key=lambda u: (-matches.get(u.id, 0), outstanding.get(u.id, 0)))

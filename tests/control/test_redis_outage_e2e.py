@@ -154,7 +154,7 @@ def test_g21_redis_cut_then_restarted_under_traffic(cluster: Cluster) -> None:
         # Refused only in the outage: sent at most 1 s before it began or answered after it
         # began, and sent within 2 s of its end or before the key was next served
         # whole after it, whichever is later: a loaded machine takes its time to bring Redis
-        # back, and a pooled connection from before is found broken only when next used.
+        # back.
         served_again = min(a.began for a in clients.seen() if a.whole and a.began >= end)
         over = max(end + 2, served_again)
         early = [a for a in refused if a.began < start - 1 and a.began + a.seconds < start]
