@@ -69,21 +69,31 @@ from tests.harness.procs import REPO_ROOT
 
 WORK = REPO_ROOT / "var" / "bench-routing"
 JSON_OUT = REPO_ROOT / "var" / "bench-routing.json"
-WARM_UP_REQUESTS = 8
+# As many connections as the busiest workload keeps open at once (``shared``'s clients).
+WARM_UP_CONNECTIONS = 64
+WARM_UP_WAVES = 2
 
 
 async def warm_up(client: Client) -> None:
-    """A few one-token requests: connections open, both web processes loaded, the router's
-    view of the engines filled. They are over before the engines' counters are read."""
-    outcomes = await asyncio.gather(
-        *(
-            client.chat([{"role": "user", "content": f"hello {n}"}], 1)
-            for n in range(WARM_UP_REQUESTS)
+    """One-token requests of a few words (less than one of the engines' cache blocks, nothing
+    any workload's prompts open with), one for each connection the busiest workload keeps
+    open, twice: the first wave opens the client's connections, each taken by whichever web
+    process accepts it, the second goes over them as the workload will, so every process of
+    a router has connections open to every engine. A workload that opens with a burst
+    (``multi-turn``: 24 sessions at once) then measures the routing, not connections opened
+    in the middle of it: eight requests at once left one of llmgw's two web processes without
+    a connection to some engines, or to any, in most starts (docs/decisions.md, 'the routing
+    bench's warm-up'). They are over before the engines' counters are read."""
+    for _ in range(WARM_UP_WAVES):
+        outcomes = await asyncio.gather(
+            *(
+                client.chat([{"role": "user", "content": f"hello {n}"}], 1)
+                for n in range(WARM_UP_CONNECTIONS)
+            )
         )
-    )
-    failed = [o.error for o in outcomes if not o.ok]
-    if failed:
-        raise RuntimeError(f"warm-up failed: {failed[0]}")
+        failed = [o.error for o in outcomes if not o.ok]
+        if failed:
+            raise RuntimeError(f"warm-up failed: {failed[0]}")
 
 
 def figures(
