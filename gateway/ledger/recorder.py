@@ -144,8 +144,9 @@ class Recorder:
             self._journal_failed(exc)
 
     def note_clamped(self, usage: Usage, clamped: tuple[tuple[str, str], ...]) -> None:
-        """An upstream reported counts no row can hold; they were clamped. One Event per
-        upstream a minute says so (a broken engine would otherwise write one per request)."""
+        """An upstream reported counts no row can hold, or more cached tokens than prompt
+        tokens; they were clamped. One Event per upstream a minute says so (a broken engine
+        would otherwise write one per request)."""
         metrics.USAGE_CLAMPED.inc(len(clamped))
         subject = f"upstream/{usage.upstream or usage.endpoint}"
         now = time.monotonic()
@@ -154,11 +155,14 @@ class Recorder:
         self._event_at[subject] = now
         if len(self.events) < 100:
             reported = ", ".join(f"{name}={value}" for name, value in clamped)
+            bounds = f"0..{2**31 - 1}"
+            if any(name == "cached_tokens" for name, _ in clamped):
+                bounds += ", cached tokens to the prompt's"
             self.events.append(
                 (
                     subject,
                     f"{usage.upstream or 'an upstream'} reported {reported} for request "
-                    f"{usage.request_id} ({usage.model}); clamped to 0..{2**31 - 1}",
+                    f"{usage.request_id} ({usage.model}); clamped to {bounds}",
                     {"request_id": usage.request_id, "reported": dict(clamped)},
                 )
             )

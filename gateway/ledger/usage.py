@@ -15,11 +15,12 @@ A journal's name starts with the id of the store it was written for (``store_id`
 replays only journals of the store it is connected to, so pointing a checkout at another
 database never pours one store's rows into the other.
 
-Numbers from upstreams are data, not trust: every count is clamped to 0..2^31-1 before it is
-written. A batch the store refuses is retried row by row; a row it still refuses goes to the
-dead-letter journal (``dead-letter/<store>.jsonl`` beside the journals), is counted in
-``llmgw_usage_dead_letters`` and recorded as an Event, and never holds back the rows behind
-it. Only an unreachable store (which refuses every row alike) keeps rows queued for a retry.
+Numbers from upstreams are data, not trust: every count is clamped to 0..2^31-1 (cached
+tokens to the prompt's) before it is written. A batch the store refuses is retried row by
+row; a row it still refuses goes to the dead-letter journal (``dead-letter/<store>.jsonl``
+beside the journals), is counted in ``llmgw_usage_dead_letters`` and recorded as an Event,
+and never holds back the rows behind it. Only an unreachable store (which refuses every row
+alike) keeps rows queued for a retry.
 """
 
 from __future__ import annotations

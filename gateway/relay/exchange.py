@@ -225,7 +225,7 @@ class Exchange:
         prefix-cache hit ratio operators watch."""
         assert self.route is not None
         prediction = None
-        if self.blocks.keys:
+        if self.blocks.keys and not tokens.clamped:  # counts out of range tell nothing of it
             learned = upstreams.placer.learn(
                 upstream, self.blocks, self.predicted, tokens.cached, tokens.prompt
             )

@@ -226,8 +226,9 @@ def _reported(value: Any) -> int | None:
 
 def tokens_of(usage: Any) -> Tokens | None:
     """Normalize a usage object: chat/completions/embeddings (prompt_/completion_tokens) and
-    the Responses API (input_/output_tokens). Counts are clamped to 0..2^31-1; what was
-    clamped is noted, so an engine reporting nonsense is seen rather than trusted."""
+    the Responses API (input_/output_tokens). Counts are clamped to 0..2^31-1, and cached
+    tokens to the prompt's; what was clamped is noted, so an engine reporting nonsense is seen
+    rather than trusted."""
     if not isinstance(usage, dict):
         return None
     clamped: list[tuple[str, str]] = []
@@ -256,6 +257,11 @@ def tokens_of(usage: Any) -> Tokens | None:
     if prompt == 0 and completion == 0:
         # Embeddings and rerank may report only a total.
         prompt = number("total_tokens")
+    if cached is not None and cached > prompt:
+        # No engine finds more of a prompt cached than the prompt: a hit ratio past one on
+        # the dashboard, and a mirror taught that all of it is held, would be the result.
+        clamped.append(("cached_tokens", str(details.get("cached_tokens"))[:40]))
+        cached = prompt
     return Tokens(prompt, completion, cached or 0, tuple(clamped), cached is not None)
 
 

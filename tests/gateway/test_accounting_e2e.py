@@ -188,6 +188,36 @@ def test_counts_no_row_can_hold_are_clamped_and_recording_goes_on(
     assert "prompt_tokens=-5000" in event.message
 
 
+def test_more_cached_tokens_than_prompt_tokens_are_held_to_the_prompt_and_told(
+    live: tuple[Proc, Proc, Proc],
+) -> None:
+    """An engine whose usage says more of a prompt was cached than the prompt had: the row,
+    the hit ratio the dashboard shows from it and routing's lesson take no more than the
+    prompt, and operators are told which upstream said what."""
+    web, sim, _ = live
+    key, api_key = make_key()
+    serve(web, key, "acc", sim.port)
+    api = client(web, key)
+    words = " ".join(f"word{n}" for n in range(200))  # many cache blocks, found the 2nd time
+    for fault in ({}, {"sim": {"report_prompt_tokens": 3}}):
+        api.chat.completions.create(
+            model="acc",
+            messages=[{"role": "user", "content": words}],
+            max_tokens=1,
+            extra_body=fault or None,
+        )
+    first, lying = wait_for_rows(api_key, 2)
+    assert first.cached_tokens == 0 and first.prompt_tokens > 200
+    assert (lying.prompt_tokens, lying.cached_tokens) == (3, 3)
+    event = wait_until(
+        lambda: Event.objects.filter(
+            subject__startswith="upstream/", message__contains="cached_tokens="
+        ).first(),
+        what="an Event about the cached tokens held to the prompt",
+    )
+    assert re.search(r"cached_tokens=\d{3}\b.*to the prompt's", event.message), event.message
+
+
 # --------------------------------------------------------------------------- failure 1
 
 

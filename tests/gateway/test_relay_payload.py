@@ -288,6 +288,29 @@ def test_reported_counts_are_clamped_and_noted() -> None:
     assert payload.tokens_of({"prompt_tokens": 3, "completion_tokens": 1}) == payload.Tokens(3, 1)
 
 
+def test_more_cached_tokens_than_the_prompt_are_clamped_to_the_prompt_and_noted() -> None:
+    """An engine that reports more of a prompt cached than the prompt (a bug, or a lie) would
+    show a hit ratio past one and teach routing that it holds all of it."""
+    for usage in (
+        {
+            "prompt_tokens": 100,
+            "completion_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 5000},
+        },
+        {
+            "input_tokens": 100,
+            "output_tokens": 5,
+            "input_tokens_details": {"cached_tokens": 5000.0},
+        },
+    ):
+        tokens = payload.tokens_of(usage)
+        assert tokens is not None
+        assert (tokens.prompt, tokens.cached, tokens.cached_reported) == (100, 100, True)
+        assert [name for name, _ in tokens.clamped] == ["cached_tokens"]
+    honest = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 100}}
+    assert payload.tokens_of(honest) == payload.Tokens(100, 0, 100, (), True)
+
+
 def test_a_streamed_count_past_64_bits_is_clamped_not_zeroed() -> None:
     """orjson reads 10**23 in a usage event as a float; it was taken as no count at all (a
     free prompt, and no Event). Floats are counts too, and out-of-range ones are noted."""
