@@ -260,7 +260,8 @@ def tokens_of(usage: Any) -> Tokens | None:
     if cached is not None and cached > prompt:
         # No engine finds more of a prompt cached than the prompt: a hit ratio past one on
         # the dashboard, and a mirror taught that all of it is held, would be the result.
-        clamped.append(("cached_tokens", str(details.get("cached_tokens"))[:40]))
+        if not any(name == "cached_tokens" for name, _ in clamped):  # noted once
+            clamped.append(("cached_tokens", str(details.get("cached_tokens"))[:40]))
         cached = prompt
     return Tokens(prompt, completion, cached or 0, tuple(clamped), cached is not None)
 

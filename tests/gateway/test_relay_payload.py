@@ -307,6 +307,10 @@ def test_more_cached_tokens_than_the_prompt_are_clamped_to_the_prompt_and_noted(
         assert tokens is not None
         assert (tokens.prompt, tokens.cached, tokens.cached_reported) == (100, 100, True)
         assert [name for name, _ in tokens.clamped] == ["cached_tokens"]
+    huge = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 10**23}}
+    assert payload.tokens_of(huge) == payload.Tokens(
+        100, 0, 100, (("cached_tokens", str(10**23)),), True
+    )
     honest = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 100}}
     assert payload.tokens_of(honest) == payload.Tokens(100, 0, 100, (), True)
 
