@@ -155,14 +155,12 @@ class Recorder:
         self._event_at[subject] = now
         if len(self.events) < 100:
             reported = ", ".join(f"{name}={value}" for name, value in clamped)
-            bounds = f"0..{2**31 - 1}"
-            if any(name == "cached_tokens" for name, _ in clamped):
-                bounds += ", cached tokens to the prompt's"
             self.events.append(
                 (
                     subject,
                     f"{usage.upstream or 'an upstream'} reported {reported} for request "
-                    f"{usage.request_id} ({usage.model}); clamped to {bounds}",
+                    f"{usage.request_id} ({usage.model}); clamped to 0..{2**31 - 1}, cached "
+                    "tokens to the prompt's",
                     {"request_id": usage.request_id, "reported": dict(clamped)},
                 )
             )

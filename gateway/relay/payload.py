@@ -233,13 +233,14 @@ def tokens_of(usage: Any) -> Tokens | None:
         return None
     clamped: list[tuple[str, str]] = []
 
-    def count(name: str, raw: Any) -> int | None:
+    def count(name: str, raw: Any, most: int = MAX_COUNT) -> int | None:
         value = _reported(raw)
         if value is None:
             return None
-        if clamp_count(value) != value:
+        kept = min(clamp_count(value), most)
+        if kept != value:
             clamped.append((name, str(raw)[:40]))
-        return clamp_count(value)
+        return kept
 
     def number(*names: str) -> int:
         for name in names:
@@ -248,21 +249,19 @@ def tokens_of(usage: Any) -> Tokens | None:
                 return value
         return 0
 
-    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-    cached = count(
-        "cached_tokens", details.get("cached_tokens") if isinstance(details, dict) else None
-    )
     prompt = number("prompt_tokens", "input_tokens")
     completion = number("completion_tokens", "output_tokens")
     if prompt == 0 and completion == 0:
         # Embeddings and rerank may report only a total.
         prompt = number("total_tokens")
-    if cached is not None and cached > prompt:
-        # No engine finds more of a prompt cached than the prompt: a hit ratio past one on
-        # the dashboard, and a mirror taught that all of it is held, would be the result.
-        if not any(name == "cached_tokens" for name, _ in clamped):  # noted once
-            clamped.append(("cached_tokens", str(details.get("cached_tokens"))[:40]))
-        cached = prompt
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    # No engine finds more of a prompt cached than the prompt: past it, the dashboard's hit
+    # ratio would pass one and routing would learn the engine holds all of it.
+    cached = count(
+        "cached_tokens",
+        details.get("cached_tokens") if isinstance(details, dict) else None,
+        most=prompt,
+    )
     return Tokens(prompt, completion, cached or 0, tuple(clamped), cached is not None)
 
 
