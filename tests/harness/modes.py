@@ -20,10 +20,14 @@ def mode(path: Path) -> int:
 
 def open_to_others(root: Path) -> dict[str, str]:
     """Every path at or under ``root`` (links themselves excluded: their mode means nothing)
-    that a group or other bit opens, with its mode in octal."""
+    that a group or other bit opens, with its mode in octal. A file removed between the
+    listing and its look (the running broker takes its messages away) is open to no one."""
     found: dict[str, str] = {}
     for path in [root, *root.rglob("*")]:
-        info = path.lstat()
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
         if not stat.S_ISLNK(info.st_mode) and info.st_mode & 0o077:
             found[str(path.relative_to(root.parent))] = oct(stat.S_IMODE(info.st_mode))
     return found
